@@ -1,0 +1,352 @@
+//! Shared helpers of the end-to-end tests: a real broker, unique topics, stage configs,
+//! recording handlers, offsets read back from Kafka.
+//!
+//! Every test talks to the broker named by `SESSIONFLOW_BROKERS` (`make test` starts one and
+//! sets it). Each test makes its own topics and group with unique names and deletes the topics
+//! when it ends, so tests run in parallel against one broker.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::{Offset, TopicPartitionList};
+use sessionflow_worker::config::{BuiltinHandlerConfig, HandlerConfig, RetryConfig};
+use sessionflow_worker::record::header;
+use sessionflow_worker::{Handler, HandlerError, HandlerResult, InputRecord, StageConfig};
+
+/// The broker under test.
+pub fn brokers() -> String {
+    std::env::var("SESSIONFLOW_BROKERS").expect(
+        "SESSIONFLOW_BROKERS is not set: run the tests with `make test` (it starts a broker), \
+         or start one with scripts/broker.sh start and export SESSIONFLOW_BROKERS=127.0.0.1:9092",
+    )
+}
+
+/// A name no other test (or earlier run) uses.
+pub fn unique(prefix: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    format!(
+        "{prefix}-{}-{}-{nanos:x}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// The topics of one test: input, output, DLQ. Delete them with [`Topics::delete`].
+pub struct Topics {
+    pub input: String,
+    pub output: String,
+    pub dlq: String,
+    pub group: String,
+}
+
+impl Topics {
+    pub async fn create(name: &str, partitions: i32) -> Self {
+        let t = Self {
+            input: unique(&format!("{name}-in")),
+            output: unique(&format!("{name}-out")),
+            dlq: unique(&format!("{name}-dlq")),
+            group: unique(&format!("{name}-group")),
+        };
+        sessionflow_worker::topics::create(&brokers(), &[&t.input, &t.output], partitions)
+            .await
+            .expect("create topics");
+        sessionflow_worker::topics::create(&brokers(), &[&t.dlq], 1)
+            .await
+            .expect("create DLQ topic");
+        t
+    }
+
+    pub async fn delete(self) {
+        let _ =
+            sessionflow_worker::topics::delete(&brokers(), &[&self.input, &self.output, &self.dlq])
+                .await;
+    }
+
+    /// A stage from input to output with test-friendly timings.
+    pub fn stage(&self, handler: HandlerConfig) -> StageConfig {
+        let mut kafka = std::collections::BTreeMap::new();
+        for (k, v) in test_kafka_properties() {
+            kafka.insert(k.to_string(), v.to_string());
+        }
+        StageConfig {
+            brokers: brokers(),
+            group: Some(self.group.clone()),
+            stage: "test".into(),
+            input: self.input.clone(),
+            output: Some(self.output.clone()),
+            dlq: self.dlq.clone(),
+            session: Default::default(),
+            handler,
+            retry: RetryConfig {
+                initial_backoff_ms: 1,
+                max_backoff_ms: 20,
+                multiplier: 2.0,
+                max_attempts: 0,
+            },
+            commit_interval_ms: 200,
+            dispatchers: 4,
+            dispatcher_capacity: 256,
+            session_idle_ms: 1_000,
+            max_in_flight_per_partition: 2_000,
+            shutdown_timeout_ms: 10_000,
+            metrics_addr: None,
+            kafka,
+        }
+    }
+
+    /// Every end offset of `topic`'s partitions.
+    pub fn end_offsets(&self, topic: &str) -> Vec<i64> {
+        end_offsets(topic)
+    }
+
+    /// The group's committed offsets on the input (-1 where none).
+    pub fn committed(&self) -> Vec<i64> {
+        committed_offsets(&self.group, &self.input)
+    }
+
+    /// Waits until the group has committed every input partition to its end.
+    pub async fn wait_fully_committed(&self, timeout: Duration) {
+        let input = self.input.clone();
+        wait_until(timeout, || self.committed() == end_offsets(&input))
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "committed {:?} never reached end offsets {:?}",
+                    self.committed(),
+                    end_offsets(&self.input)
+                )
+            });
+    }
+}
+
+/// librdkafka settings that make tests fast on nisshi and stay Kafka-legal.
+pub fn test_kafka_properties() -> Vec<(&'static str, &'static str)> {
+    vec![
+        ("fetch.wait.max.ms", "100"),
+        ("session.timeout.ms", "6000"),
+        ("heartbeat.interval.ms", "500"),
+        ("linger.ms", "2"),
+    ]
+}
+
+/// A builtin handler config.
+pub fn builtin(transient_rate: f64, poison_rate: f64) -> HandlerConfig {
+    HandlerConfig::Builtin(BuiltinHandlerConfig {
+        transient_rate,
+        poison_rate,
+        latency_ms: 0,
+        seed: 7,
+    })
+}
+
+fn metadata_consumer(group: &str) -> BaseConsumer {
+    ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .create()
+        .expect("consumer")
+}
+
+fn partition_count(consumer: &BaseConsumer, topic: &str) -> i32 {
+    let md = consumer
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .expect("metadata");
+    md.topics()[0].partitions().len() as i32
+}
+
+/// High watermarks of every partition of `topic`.
+pub fn end_offsets(topic: &str) -> Vec<i64> {
+    let c = metadata_consumer("sessionflow-tests-metadata");
+    (0..partition_count(&c, topic))
+        .map(|p| {
+            c.fetch_watermarks(topic, p, Duration::from_secs(10))
+                .expect("watermarks")
+                .1
+        })
+        .collect()
+}
+
+/// Committed offsets of `group` on `topic` (-1 where nothing is committed).
+pub fn committed_offsets(group: &str, topic: &str) -> Vec<i64> {
+    let c = metadata_consumer(group);
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..partition_count(&c, topic) {
+        tpl.add_partition(topic, p);
+    }
+    let got = c
+        .committed_offsets(tpl, Duration::from_secs(10))
+        .expect("committed offsets");
+    got.elements()
+        .iter()
+        .map(|e| match e.offset() {
+            Offset::Offset(o) => o,
+            _ => -1,
+        })
+        .collect()
+}
+
+/// Polls `condition` every 100 ms until it holds or `timeout` passes.
+pub async fn wait_until(timeout: Duration, mut condition: impl FnMut() -> bool) -> Result<(), ()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if condition() {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// What a [`RecordingHandler`] saw.
+#[derive(Debug, Default)]
+pub struct Seen {
+    /// Per session: the `sessionflow-seq` of every attempt, in call order.
+    pub attempts: HashMap<String, Vec<(u64, u32)>>,
+    /// Sessions currently inside the handler.
+    active: std::collections::HashSet<String>,
+    /// Times a session was entered while already inside the handler.
+    pub concurrent_entries: u64,
+    /// Per session: when its last successful call finished.
+    pub finished_at: HashMap<String, Instant>,
+}
+
+/// Decides a record's fate in a [`RecordingHandler`]: `(session, seq, attempt) -> result`.
+pub type Fate = dyn Fn(&str, u64, u32) -> HandlerResult + Send + Sync;
+/// How long a [`RecordingHandler`] works on a record: `(session, seq) -> delay`.
+pub type Delay = dyn Fn(&str, u64) -> Duration + Send + Sync;
+
+/// A handler that records the order in which each session's records reach it.
+#[derive(Clone)]
+pub struct RecordingHandler {
+    pub seen: Arc<Mutex<Seen>>,
+    fate: Arc<Fate>,
+    delay: Arc<Delay>,
+}
+
+impl RecordingHandler {
+    pub fn new(fate: impl Fn(&str, u64, u32) -> HandlerResult + Send + Sync + 'static) -> Self {
+        Self {
+            seen: Arc::default(),
+            fate: Arc::new(fate),
+            delay: Arc::new(|_, _| Duration::ZERO),
+        }
+    }
+
+    pub fn with_delay(
+        mut self,
+        delay: impl Fn(&str, u64) -> Duration + Send + Sync + 'static,
+    ) -> Self {
+        self.delay = Arc::new(delay);
+        self
+    }
+
+    /// Passes every record through, failing transiently on a deterministic `rate` of attempts.
+    pub fn flaky(rate: f64) -> Self {
+        Self::new(move |session, seq, attempt| {
+            let h = sessionflow_worker::routing::stable_hash(
+                format!("{session}/{seq}/{attempt}").as_bytes(),
+            )
+            .wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            if ((h >> 11) as f64 / (1u64 << 53) as f64) < rate {
+                Err(HandlerError::Transient("flaky".into()))
+            } else {
+                Ok(Some(format!("{session}:{seq}").into_bytes()))
+            }
+        })
+    }
+
+    /// Checks that every session's first attempts saw seq 1, 2, 3… and retries repeated the
+    /// record in front of them. Returns the problems found.
+    pub fn order_problems(&self) -> Vec<String> {
+        let seen = self.seen.lock().unwrap();
+        let mut problems = Vec::new();
+        if seen.concurrent_entries > 0 {
+            problems.push(format!("{} concurrent entries", seen.concurrent_entries));
+        }
+        for (session, calls) in &seen.attempts {
+            let mut expected_next = 1;
+            let mut current: Option<(u64, u32)> = None;
+            for &(seq, attempt) in calls {
+                match current {
+                    Some((cur, a)) if attempt > 1 => {
+                        if seq != cur || attempt != a + 1 {
+                            problems.push(format!(
+                                "{session}: attempt {attempt} of seq {seq} after attempt {a} of seq {cur}"
+                            ));
+                        }
+                    }
+                    _ => {
+                        if attempt != 1 || seq != expected_next {
+                            problems.push(format!(
+                                "{session}: seq {seq} (attempt {attempt}) where seq {expected_next} was due"
+                            ));
+                        }
+                        expected_next = seq + 1;
+                    }
+                }
+                current = Some((seq, attempt));
+            }
+        }
+        problems
+    }
+}
+
+fn seq_of(record: &InputRecord) -> u64 {
+    record
+        .header(header::SEQ)
+        .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
+        .unwrap_or(0)
+}
+
+impl Handler for RecordingHandler {
+    async fn handle(&self, record: &InputRecord, attempt: u32) -> HandlerResult {
+        let session = record.session_str().into_owned();
+        let seq = seq_of(record);
+        {
+            let mut seen = self.seen.lock().unwrap();
+            if !seen.active.insert(session.clone()) {
+                seen.concurrent_entries += 1;
+            }
+            seen.attempts
+                .entry(session.clone())
+                .or_default()
+                .push((seq, attempt));
+        }
+        let delay = (self.delay)(&session, seq);
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
+        let result = (self.fate)(&session, seq, attempt);
+        let mut seen = self.seen.lock().unwrap();
+        seen.active.remove(&session);
+        if result.is_ok() {
+            seen.finished_at.insert(session, Instant::now());
+        }
+        result
+    }
+}
+
+/// The worker binary built next to the test binary.
+pub fn worker_binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
+    let bin = dir.join("sessionflow-worker");
+    assert!(
+        bin.exists(),
+        "{} not found: build it first (`cargo build -p sessionflow-worker`; `make test` does)",
+        bin.display()
+    );
+    bin
+}

@@ -1,0 +1,122 @@
+//! Poison records, exhausted retries and records without a session land in the DLQ with every
+//! header an operator needs; the session carries on with its next record.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use rdkafka::config::ClientConfig;
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use sessionflow_tests::{brokers, builtin, RecordingHandler, Topics};
+use sessionflow_worker::record::header;
+use sessionflow_worker::verify::{read_topic, Checker};
+use sessionflow_worker::HandlerError;
+
+use crate::produce_round_robin;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_reach_the_dlq_with_their_headers_and_the_session_goes_on() {
+    let topics = Topics::create("dlq", 4).await;
+    produce_round_robin(&topics, 20, 10).await;
+    // One record without a key, hence without a session.
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .unwrap();
+    producer
+        .send(
+            FutureRecord::<[u8], _>::to(&topics.input).payload("orphan"),
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+
+    let handler = RecordingHandler::new(|s, seq, _| match seq {
+        3 => Err(HandlerError::Poison(format!("cannot parse {s}:{seq}"))),
+        5 => Err(HandlerError::Transient("dependency down".into())),
+        _ => Ok(Some(format!("{s}:{seq}").into_bytes())),
+    });
+    let mut stage = topics.stage(builtin(0.0, 0.0));
+    stage.retry.max_attempts = 3;
+    let worker = sessionflow_worker::start(stage, handler.clone())
+        .await
+        .unwrap();
+    topics.wait_fully_committed(Duration::from_secs(120)).await;
+    worker.shutdown().await.unwrap();
+
+    let timeout = Duration::from_secs(30);
+    let input = read_topic(&brokers(), &topics.input, None, timeout).unwrap();
+    let dlq = read_topic(&brokers(), &topics.dlq, None, timeout).unwrap();
+    let output = read_topic(&brokers(), &topics.output, None, timeout).unwrap();
+    let by_id: HashMap<(String, u64), _> = input
+        .iter()
+        .filter_map(|r| Some(((r.session.clone()?, r.seq?), r)))
+        .collect();
+
+    let count = |reason: &str| {
+        dlq.iter()
+            .filter(|r| r.header(header::DLQ_REASON) == Some(reason))
+            .count()
+    };
+    assert_eq!(count("poison"), 20);
+    assert_eq!(count("retries-exhausted"), 20);
+    assert_eq!(count("missing-session"), 1);
+    assert_eq!(dlq.len(), 41);
+
+    for d in &dlq {
+        let reason = d.header(header::DLQ_REASON).unwrap();
+        assert_eq!(d.header(header::SOURCE_TOPIC), Some(topics.input.as_str()));
+        assert_eq!(d.header(header::STAGE), Some("test"));
+        assert!(!d.header(header::DLQ_ERROR).unwrap_or_default().is_empty());
+        assert!(d.header(header::EVENT_ID).is_some(), "event id on {d:?}");
+        let partition: i32 = d.header(header::SOURCE_PARTITION).unwrap().parse().unwrap();
+        let offset: i64 = d.header(header::SOURCE_OFFSET).unwrap().parse().unwrap();
+        if reason == "missing-session" {
+            assert_eq!(d.value, b"orphan");
+            assert_eq!(d.session, None);
+            continue;
+        }
+        // Original key, value and headers kept; source coordinates point at the input record.
+        let key = (d.session.clone().unwrap(), d.seq.unwrap());
+        let original = by_id[&key];
+        assert_eq!((partition, offset), (original.partition, original.offset));
+        assert_eq!(d.value, original.value);
+        let (expected_seq, expected_attempts) = match reason {
+            "poison" => (3, "1"),
+            "retries-exhausted" => (5, "3"),
+            other => panic!("unexpected reason {other}"),
+        };
+        assert_eq!(d.seq, Some(expected_seq));
+        assert_eq!(d.header(header::ATTEMPTS), Some(expected_attempts));
+    }
+
+    // Every session continued past its failures, in order.
+    let mut checker = Checker::new();
+    for r in &output {
+        checker.output(r.session.as_deref(), r.seq);
+    }
+    for r in &dlq {
+        checker.dead_letter(r.session.as_deref(), r.seq);
+    }
+    let pairs: Vec<(&str, u64)> = input
+        .iter()
+        .filter_map(|r| Some((r.session.as_deref()?, r.seq?)))
+        .collect();
+    let report = checker.finish(Some(pairs));
+    assert!(report.is_ok(), "{report}");
+    assert_eq!(output.len(), 20 * 8);
+    // Output records: key = session, event id set, input headers carried over.
+    for r in &output {
+        assert!(r.header(header::EVENT_ID).is_some());
+        assert!(r.header(header::SEQ).is_some());
+        assert_eq!(
+            r.value,
+            format!("{}:{}", r.session.as_deref().unwrap(), r.seq.unwrap()).into_bytes()
+        );
+    }
+    assert!(
+        handler.order_problems().is_empty(),
+        "{:?}",
+        handler.order_problems()
+    );
+    topics.delete().await;
+}

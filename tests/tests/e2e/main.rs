@@ -1,0 +1,21 @@
+//! End-to-end tests of the worker against a real Kafka-protocol broker (`make test` starts
+//! one). One test binary, one module per guarantee; tests run in parallel, each on its own
+//! topics and group.
+
+mod dead_letters;
+mod http_handler;
+mod isolation;
+mod order;
+mod restart;
+
+use sessionflow_tests::{brokers, Topics};
+use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
+
+/// Produces `per_session` numbered records for each of `sessions` sessions, interleaved.
+pub async fn produce_round_robin(topics: &Topics, sessions: u64, per_session: u64) {
+    let opts = LoadgenOptions {
+        choice: SessionChoice::RoundRobin,
+        ..LoadgenOptions::new(&brokers(), &topics.input, sessions * per_session, sessions)
+    };
+    loadgen::run(&opts).await.expect("loadgen");
+}

@@ -1,0 +1,449 @@
+//! The stage configuration: one YAML file per worker process.
+//!
+//! Keys are camelCase and carry the same names as a stage of the `SessionPipeline` custom
+//! resource, so the operator can render this file from the resource without translation. A bad
+//! file must stop the worker before it touches Kafka, with a message that names the key: parse
+//! errors carry their path (`retry.multiplier: invalid type …`) and [`StageConfig::validate`]
+//! checks what types cannot (ranges, topic relations).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::retry::RetryPolicy;
+
+/// One stage of a pipeline, as the worker runs it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct StageConfig {
+    /// Bootstrap servers, `host:port[,host:port…]`. `--brokers` overrides it.
+    #[serde(default)]
+    pub brokers: String,
+    /// Consumer group; defaults to `sessionflow-<stage>`.
+    #[serde(default)]
+    pub group: Option<String>,
+    /// Stage name: used in metrics, DLQ headers and the default group.
+    pub stage: String,
+    /// Topic this stage consumes.
+    pub input: String,
+    /// Topic this stage produces results to; none for a terminal stage.
+    #[serde(default)]
+    pub output: Option<String>,
+    /// Dead-letter topic for poison records and records that exhausted their retries.
+    pub dlq: String,
+    /// Where the session id of a record comes from.
+    #[serde(default)]
+    pub session: SessionSource,
+    /// What processes a record.
+    pub handler: HandlerConfig,
+    #[serde(default)]
+    pub retry: RetryConfig,
+    /// How often the contiguous watermark is committed.
+    #[serde(default = "defaults::commit_interval_ms")]
+    pub commit_interval_ms: u64,
+    /// Number of dispatcher tasks the sessions are hashed onto.
+    #[serde(default = "defaults::dispatchers")]
+    pub dispatchers: usize,
+    /// Capacity of each dispatcher's intake channel; full means backpressure.
+    #[serde(default = "defaults::dispatcher_capacity")]
+    pub dispatcher_capacity: usize,
+    /// A session task with nothing to do for this long is removed.
+    #[serde(default = "defaults::session_idle_ms")]
+    pub session_idle_ms: u64,
+    /// Records of one partition taken in but not finished; beyond it the partition is paused.
+    #[serde(default = "defaults::max_in_flight_per_partition")]
+    pub max_in_flight_per_partition: usize,
+    /// How long a shutdown waits for sessions to finish before giving up on the rest.
+    #[serde(default = "defaults::shutdown_timeout_ms")]
+    pub shutdown_timeout_ms: u64,
+    /// Address of `/metrics`, `/healthz` and `/readyz`; none disables the server.
+    #[serde(default = "defaults::metrics_addr")]
+    pub metrics_addr: Option<SocketAddr>,
+    /// Extra librdkafka properties for the consumer and the producers, passed through.
+    #[serde(default)]
+    pub kafka: BTreeMap<String, String>,
+}
+
+/// Where a record's session id is read from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(tag = "from", rename_all = "camelCase", deny_unknown_fields)]
+pub enum SessionSource {
+    /// The record key.
+    #[default]
+    Key,
+    /// A record header.
+    Header { name: String },
+}
+
+/// The stage's handler: exactly one of `http` or `builtin`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub enum HandlerConfig {
+    Http(HttpHandlerConfig),
+    Builtin(BuiltinHandlerConfig),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct HttpHandlerConfig {
+    pub url: String,
+    #[serde(default = "defaults::http_timeout_ms")]
+    pub timeout_ms: u64,
+}
+
+/// Pass-through with deterministic fault injection.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct BuiltinHandlerConfig {
+    /// Fraction of attempts that fail transiently, in [0, 1).
+    #[serde(default)]
+    pub transient_rate: f64,
+    /// Fraction of records that are poison, in [0, 1].
+    #[serde(default)]
+    pub poison_rate: f64,
+    /// Simulated work per attempt.
+    #[serde(default)]
+    pub latency_ms: u64,
+    /// Seed of the fault draws; the same seed gives the same faults for the same records.
+    #[serde(default)]
+    pub seed: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RetryConfig {
+    #[serde(default = "defaults::initial_backoff_ms")]
+    pub initial_backoff_ms: u64,
+    #[serde(default = "defaults::max_backoff_ms")]
+    pub max_backoff_ms: u64,
+    #[serde(default = "defaults::multiplier")]
+    pub multiplier: f64,
+    /// Attempts per record, the first included; 0 retries transient errors forever.
+    #[serde(default)]
+    pub max_attempts: u32,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        Self {
+            initial_backoff_ms: defaults::initial_backoff_ms(),
+            max_backoff_ms: defaults::max_backoff_ms(),
+            multiplier: defaults::multiplier(),
+            max_attempts: 0,
+        }
+    }
+}
+
+impl From<RetryConfig> for RetryPolicy {
+    fn from(c: RetryConfig) -> Self {
+        RetryPolicy {
+            initial: Duration::from_millis(c.initial_backoff_ms),
+            max: Duration::from_millis(c.max_backoff_ms),
+            multiplier: c.multiplier,
+            max_attempts: c.max_attempts,
+        }
+    }
+}
+
+mod defaults {
+    use std::net::SocketAddr;
+    pub fn commit_interval_ms() -> u64 {
+        1_000
+    }
+    pub fn dispatchers() -> usize {
+        8
+    }
+    pub fn dispatcher_capacity() -> usize {
+        1_024
+    }
+    pub fn session_idle_ms() -> u64 {
+        30_000
+    }
+    pub fn max_in_flight_per_partition() -> usize {
+        10_000
+    }
+    pub fn shutdown_timeout_ms() -> u64 {
+        20_000
+    }
+    pub fn metrics_addr() -> Option<SocketAddr> {
+        Some(SocketAddr::from(([0, 0, 0, 0], 9464)))
+    }
+    pub fn http_timeout_ms() -> u64 {
+        10_000
+    }
+    pub fn initial_backoff_ms() -> u64 {
+        100
+    }
+    pub fn max_backoff_ms() -> u64 {
+        30_000
+    }
+    pub fn multiplier() -> f64 {
+        2.0
+    }
+}
+
+/// A configuration problem, naming the key at fault.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("invalid config: {key}: {message}")]
+pub struct ConfigError {
+    pub key: String,
+    pub message: String,
+}
+
+impl ConfigError {
+    fn new(key: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            key: key.into(),
+            message: message.into(),
+        }
+    }
+}
+
+impl StageConfig {
+    /// Reads a config file without validating it (so command-line overrides can apply first).
+    pub fn parse_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError::new("--config", format!("{}: {e}", path.display())))?;
+        Self::parse(&text)
+    }
+
+    /// Parses and validates YAML text.
+    pub fn from_yaml(text: &str) -> Result<Self, ConfigError> {
+        let config = Self::parse(text)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Parses YAML text without validating it.
+    pub fn parse(text: &str) -> Result<Self, ConfigError> {
+        let mut path = None;
+        let parsed = serde_saphyr::with_deserializer_from_str(text, |de| {
+            serde_path_to_error::deserialize::<_, StageConfig>(de).map_err(|e| {
+                path = Some(e.path().to_string());
+                <serde_saphyr::Error as serde::de::Error>::custom(e.into_inner())
+            })
+        });
+        let config = parsed.map_err(|e| {
+            let key = match path.as_deref() {
+                None | Some(".") | Some("") => "(document)".to_string(),
+                Some(p) => p.to_string(),
+            };
+            ConfigError::new(key, e.to_string())
+        })?;
+        Ok(config)
+    }
+
+    /// Checks what the types alone cannot.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        fn non_empty(key: &str, value: &str) -> Result<(), ConfigError> {
+            if value.trim().is_empty() {
+                Err(ConfigError::new(key, "must not be empty"))
+            } else {
+                Ok(())
+            }
+        }
+        fn positive(key: &str, value: u64) -> Result<(), ConfigError> {
+            if value == 0 {
+                Err(ConfigError::new(key, "must be greater than 0"))
+            } else {
+                Ok(())
+            }
+        }
+        non_empty("brokers", &self.brokers)?;
+        non_empty("stage", &self.stage)?;
+        non_empty("input", &self.input)?;
+        non_empty("dlq", &self.dlq)?;
+        if let Some(group) = &self.group {
+            non_empty("group", group)?;
+        }
+        if let Some(output) = &self.output {
+            non_empty("output", output)?;
+            if output == &self.input {
+                return Err(ConfigError::new(
+                    "output",
+                    "must differ from input (a stage cannot feed itself)",
+                ));
+            }
+        }
+        if self.dlq == self.input {
+            return Err(ConfigError::new("dlq", "must differ from input"));
+        }
+        if let SessionSource::Header { name } = &self.session {
+            non_empty("session.name", name)?;
+        }
+        match &self.handler {
+            HandlerConfig::Http(h) => {
+                if !(h.url.starts_with("http://") || h.url.starts_with("https://")) {
+                    return Err(ConfigError::new(
+                        "handler.http.url",
+                        format!("must be an http:// or https:// URL, got {:?}", h.url),
+                    ));
+                }
+                positive("handler.http.timeoutMs", h.timeout_ms)?;
+            }
+            HandlerConfig::Builtin(b) => {
+                if !(0.0..1.0).contains(&b.transient_rate) {
+                    return Err(ConfigError::new(
+                        "handler.builtin.transientRate",
+                        "must be in [0, 1)",
+                    ));
+                }
+                if !(0.0..=1.0).contains(&b.poison_rate) {
+                    return Err(ConfigError::new(
+                        "handler.builtin.poisonRate",
+                        "must be in [0, 1]",
+                    ));
+                }
+            }
+        }
+        positive("retry.initialBackoffMs", self.retry.initial_backoff_ms)?;
+        if self.retry.max_backoff_ms < self.retry.initial_backoff_ms {
+            return Err(ConfigError::new(
+                "retry.maxBackoffMs",
+                "must be at least retry.initialBackoffMs",
+            ));
+        }
+        if !(self.retry.multiplier.is_finite() && self.retry.multiplier >= 1.0) {
+            return Err(ConfigError::new("retry.multiplier", "must be at least 1.0"));
+        }
+        positive("commitIntervalMs", self.commit_interval_ms)?;
+        positive("dispatchers", self.dispatchers as u64)?;
+        positive("dispatcherCapacity", self.dispatcher_capacity as u64)?;
+        positive("sessionIdleMs", self.session_idle_ms)?;
+        positive(
+            "maxInFlightPerPartition",
+            self.max_in_flight_per_partition as u64,
+        )?;
+        positive("shutdownTimeoutMs", self.shutdown_timeout_ms)?;
+        for key in self.kafka.keys() {
+            if OWNED_KAFKA_KEYS.contains(&key.as_str()) {
+                return Err(ConfigError::new(
+                    format!("kafka.{key}"),
+                    "is managed by sessionflow and cannot be overridden",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The consumer group: `group`, or `sessionflow-<stage>`.
+    pub fn group_id(&self) -> String {
+        self.group
+            .clone()
+            .unwrap_or_else(|| format!("sessionflow-{}", self.stage))
+    }
+
+    pub fn retry_policy(&self) -> RetryPolicy {
+        self.retry.into()
+    }
+}
+
+/// librdkafka properties whose value the engine's guarantees depend on.
+pub const OWNED_KAFKA_KEYS: &[&str] = &[
+    "enable.auto.commit",
+    "enable.auto.offset.store",
+    "enable.idempotence",
+    "group.id",
+    "bootstrap.servers",
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = "
+brokers: 127.0.0.1:9092
+stage: nlu
+input: in
+dlq: dead
+handler:
+  builtin: {}
+";
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let c = StageConfig::from_yaml(MINIMAL).unwrap();
+        assert_eq!(c.group_id(), "sessionflow-nlu");
+        assert_eq!(c.session, SessionSource::Key);
+        assert_eq!(c.dispatchers, 8);
+        assert_eq!(c.retry.max_attempts, 0);
+        assert_eq!(c.output, None);
+    }
+
+    #[test]
+    fn full_config_parses() {
+        let c = StageConfig::from_yaml(
+            "
+brokers: k:9092
+group: g
+stage: llm
+input: a
+output: b
+dlq: d
+session: {from: header, name: conversation}
+handler:
+  http: {url: 'http://svc:8080/x', timeoutMs: 500}
+retry: {initialBackoffMs: 5, maxBackoffMs: 50, multiplier: 3, maxAttempts: 4}
+commitIntervalMs: 200
+dispatchers: 4
+sessionIdleMs: 1000
+maxInFlightPerPartition: 64
+metricsAddr: 127.0.0.1:0
+kafka: {fetch.wait.max.ms: '100'}
+",
+        )
+        .unwrap();
+        assert_eq!(
+            c.session,
+            SessionSource::Header {
+                name: "conversation".into()
+            }
+        );
+        assert_eq!(
+            c.handler,
+            HandlerConfig::Http(HttpHandlerConfig {
+                url: "http://svc:8080/x".into(),
+                timeout_ms: 500
+            })
+        );
+        assert_eq!(c.retry_policy().max_attempts, 4);
+        assert_eq!(c.kafka["fetch.wait.max.ms"], "100");
+    }
+
+    fn key_of(yaml: &str) -> String {
+        StageConfig::from_yaml(yaml).unwrap_err().key
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        assert_eq!(
+            key_of(&format!("{MINIMAL}retry: {{multiplier: fast}}\n")),
+            "retry.multiplier"
+        );
+        assert_eq!(
+            key_of(&format!("{MINIMAL}retry: {{multiplier: 0.5}}\n")),
+            "retry.multiplier"
+        );
+        assert_eq!(key_of(&format!("{MINIMAL}dispatchers: 0\n")), "dispatchers");
+        assert_eq!(key_of(&format!("{MINIMAL}output: in\n")), "output");
+        assert_eq!(
+            key_of(&format!("{MINIMAL}kafka: {{enable.auto.commit: 'true'}}\n")),
+            "kafka.enable.auto.commit"
+        );
+        assert_eq!(
+            key_of(&MINIMAL.replace("builtin: {}", "builtin: {poisonRate: 2}")),
+            "handler.builtin.poisonRate"
+        );
+        assert_eq!(
+            key_of(&MINIMAL.replace("builtin: {}", "http: {url: ftp://x}")),
+            "handler.http.url"
+        );
+        let unknown = StageConfig::from_yaml(&format!("{MINIMAL}dispachers: 3\n")).unwrap_err();
+        assert!(unknown.message.contains("dispachers"), "{unknown}");
+        let missing = StageConfig::from_yaml("stage: x\n").unwrap_err();
+        assert!(missing.message.contains("input"), "{missing}");
+    }
+}

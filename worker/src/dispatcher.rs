@@ -1,0 +1,94 @@
+//! The dispatcher tier: sessions hashed onto a few long-lived tasks, each owning its sessions.
+//!
+//! The consumer loop must never wait on a session, so it hands records to a small, fixed set of
+//! dispatchers over bounded channels (a full channel is backpressure, handled by the consumer).
+//! A dispatcher owns a map from session id to that session's task and forwards each record to
+//! it without waiting: a session that is busy retrying keeps its records queued in its own
+//! queue, and the dispatcher moves straight on to the next session's record. Because the
+//! routing is a consistent hash of the session id, one session always lands on the same
+//! dispatcher, hence on one task.
+//!
+//! Reaping idle sessions is done here, by the only sender, so it cannot race with a send: a
+//! session is dropped only when nothing is queued or running for it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::sync::mpsc;
+use tokio_util::task::TaskTracker;
+
+use crate::handler::Handler;
+use crate::record::InputRecord;
+use crate::session::{SessionContext, SessionHandle};
+
+pub struct Dispatcher<H> {
+    rx: mpsc::Receiver<InputRecord>,
+    sessions: HashMap<Bytes, SessionHandle>,
+    ctx: Arc<SessionContext<H>>,
+    idle: Duration,
+    tasks: TaskTracker,
+}
+
+impl<H: Handler> Dispatcher<H> {
+    pub fn new(
+        rx: mpsc::Receiver<InputRecord>,
+        ctx: Arc<SessionContext<H>>,
+        idle: Duration,
+        tasks: TaskTracker,
+    ) -> Self {
+        Self {
+            rx,
+            sessions: HashMap::new(),
+            ctx,
+            idle,
+            tasks,
+        }
+    }
+
+    /// Runs until the consumer loop drops its sender; session tasks then finish what is queued.
+    pub async fn run(mut self) {
+        let mut reap = tokio::time::interval((self.idle / 2).max(Duration::from_millis(10)));
+        reap.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                record = self.rx.recv() => match record {
+                    Some(record) => self.route(record),
+                    None => break,
+                },
+                _ = reap.tick() => self.reap(),
+            }
+        }
+    }
+
+    fn route(&mut self, record: InputRecord) {
+        let session = record
+            .session
+            .clone()
+            .expect("the consumer loop routes only records with a session");
+        let mut record = record;
+        loop {
+            let handle = self.sessions.entry(session.clone()).or_insert_with(|| {
+                SessionHandle::spawn(session.clone(), self.ctx.clone(), &self.tasks)
+            });
+            match handle.send(record) {
+                Ok(()) => return,
+                Err(back) => {
+                    // The task ended (aborted); start a fresh one for this record.
+                    self.sessions.remove(&session);
+                    record = back;
+                    if self.ctx.abort.is_cancelled() {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    fn reap(&mut self) {
+        let now = Instant::now();
+        let idle = self.idle;
+        self.sessions.retain(|_, s| !s.is_idle(now, idle));
+    }
+}

@@ -1,0 +1,72 @@
+//! What a dead-letter record looks like.
+//!
+//! A DLQ record must let an operator understand and replay it without any other source: it
+//! keeps the original key, value and headers, and adds why it failed, where it came from and
+//! how often it was tried.
+
+use rdkafka::message::OwnedHeaders;
+
+use crate::record::{header, InputRecord};
+
+/// Why a record went to the DLQ (`sessionflow-dlq-reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DlqReason {
+    /// The handler said the record can never succeed.
+    Poison,
+    /// Transient failures until `retry.maxAttempts`.
+    RetriesExhausted,
+    /// No session id in the key / session header.
+    MissingSession,
+    /// The output record was not acknowledged after the producer's own retries.
+    ProduceFailed,
+    /// The handler did not finish within the stuck-offset timeout.
+    Stuck,
+}
+
+impl DlqReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Poison => "poison",
+            Self::RetriesExhausted => "retries-exhausted",
+            Self::MissingSession => "missing-session",
+            Self::ProduceFailed => "produce-failed",
+            Self::Stuck => "stuck",
+        }
+    }
+}
+
+/// The headers of the DLQ copy of `record`: the original ones, then sessionflow's.
+pub fn dlq_headers(
+    record: &InputRecord,
+    stage: &str,
+    reason: DlqReason,
+    error: &str,
+    attempts: u32,
+) -> OwnedHeaders {
+    let partition = record.partition.to_string();
+    let offset = record.offset.to_string();
+    let attempts = attempts.to_string();
+    let ours = [
+        header::DLQ_REASON,
+        header::DLQ_ERROR,
+        header::SOURCE_TOPIC,
+        header::SOURCE_PARTITION,
+        header::SOURCE_OFFSET,
+        header::STAGE,
+        header::ATTEMPTS,
+    ];
+    let has_event_id = record.header(header::EVENT_ID).is_some();
+    let mut extra: Vec<(&str, &[u8])> = vec![
+        (header::DLQ_REASON, reason.as_str().as_bytes()),
+        (header::DLQ_ERROR, error.as_bytes()),
+        (header::SOURCE_TOPIC, record.topic.as_bytes()),
+        (header::SOURCE_PARTITION, partition.as_bytes()),
+        (header::SOURCE_OFFSET, offset.as_bytes()),
+        (header::STAGE, stage.as_bytes()),
+        (header::ATTEMPTS, attempts.as_bytes()),
+    ];
+    if !has_event_id {
+        extra.push((header::EVENT_ID, record.event_id.as_bytes()));
+    }
+    record.headers_with(&ours, &extra)
+}

@@ -1,0 +1,138 @@
+//! A pass-through handler with deterministic fault injection.
+//!
+//! Demos, tests and benchmarks need a stage that fails *reproducibly*: the same seed and the
+//! same records give the same poison records and the same failing attempts, whichever worker
+//! processes them and however often they are replayed. So every draw is a hash of
+//! (seed, event id[, attempt]) rather than a random number.
+
+use std::time::Duration;
+
+use crate::config::BuiltinHandlerConfig;
+use crate::record::InputRecord;
+use crate::routing::stable_hash;
+
+use super::{HandlerError, HandlerResult};
+
+pub struct BuiltinHandler {
+    config: BuiltinHandlerConfig,
+}
+
+impl BuiltinHandler {
+    pub fn new(config: BuiltinHandlerConfig) -> Self {
+        Self { config }
+    }
+
+    /// A uniform draw in [0, 1) determined by the seed and `parts`.
+    fn draw(&self, parts: &[&[u8]]) -> f64 {
+        let mut bytes = self.config.seed.to_le_bytes().to_vec();
+        for p in parts {
+            bytes.extend_from_slice(p);
+            bytes.push(0xff);
+        }
+        // Finalise FNV's weak low bits with a multiply-shift before taking the top 53 bits.
+        let h = stable_hash(&bytes).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        (h >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Whether this record is poison, whatever the attempt.
+    pub fn is_poison(&self, record: &InputRecord) -> bool {
+        self.draw(&[b"poison", record.event_id.as_bytes()]) < self.config.poison_rate
+    }
+
+    /// Whether this attempt of this record fails transiently.
+    pub fn is_transient_failure(&self, record: &InputRecord, attempt: u32) -> bool {
+        self.draw(&[
+            b"transient",
+            record.event_id.as_bytes(),
+            &attempt.to_le_bytes(),
+        ]) < self.config.transient_rate
+    }
+
+    pub async fn handle(&self, record: &InputRecord, attempt: u32) -> HandlerResult {
+        if self.config.latency_ms > 0 {
+            tokio::time::sleep(Duration::from_millis(self.config.latency_ms)).await;
+        }
+        if self.is_poison(record) {
+            return Err(HandlerError::Poison(format!(
+                "injected poison (seed {})",
+                self.config.seed
+            )));
+        }
+        if self.is_transient_failure(record, attempt) {
+            return Err(HandlerError::Transient(format!(
+                "injected transient fault on attempt {attempt}"
+            )));
+        }
+        Ok(Some(record.value.as_deref().unwrap_or_default().to_vec()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::Lease;
+    use std::sync::Arc;
+
+    fn record(i: usize) -> InputRecord {
+        InputRecord {
+            topic: "t".into(),
+            partition: 0,
+            offset: i as i64,
+            key: None,
+            value: Some(bytes::Bytes::from(format!("v{i}"))),
+            headers: vec![],
+            session: Some("s".into()),
+            event_id: format!("t-0-{i}"),
+            lease: Arc::new(Lease::new(0, 0)),
+        }
+    }
+
+    fn handler(transient_rate: f64, poison_rate: f64, seed: u64) -> BuiltinHandler {
+        BuiltinHandler::new(BuiltinHandlerConfig {
+            transient_rate,
+            poison_rate,
+            latency_ms: 0,
+            seed,
+        })
+    }
+
+    #[test]
+    fn fault_rates_are_close_to_the_configured_ones() {
+        let h = handler(0.1, 0.01, 7);
+        let n = 100_000;
+        let transient = (0..n)
+            .filter(|i| h.is_transient_failure(&record(*i), 1))
+            .count();
+        let poison = (0..n).filter(|i| h.is_poison(&record(*i))).count();
+        assert!((9_000..11_000).contains(&transient), "{transient}");
+        assert!((800..1_200).contains(&poison), "{poison}");
+    }
+
+    #[test]
+    fn draws_are_deterministic_and_depend_on_seed_and_attempt() {
+        let (a, b, c) = (
+            handler(0.5, 0.5, 1),
+            handler(0.5, 0.5, 1),
+            handler(0.5, 0.5, 2),
+        );
+        let pattern = |h: &BuiltinHandler, attempt| -> Vec<bool> {
+            (0..256)
+                .map(|i| h.is_transient_failure(&record(i), attempt))
+                .collect()
+        };
+        assert_eq!(pattern(&a, 1), pattern(&b, 1));
+        assert_ne!(pattern(&a, 1), pattern(&c, 1));
+        assert_ne!(pattern(&a, 1), pattern(&a, 2));
+    }
+
+    #[tokio::test]
+    async fn passes_the_value_through() {
+        let h = handler(0.0, 0.0, 0);
+        assert_eq!(h.handle(&record(5), 1).await, Ok(Some(b"v5".to_vec())));
+        let all_poison = handler(0.0, 1.0, 0);
+        assert!(matches!(
+            all_poison.handle(&record(5), 1).await,
+            Err(HandlerError::Poison(_))
+        ));
+    }
+}

@@ -1,0 +1,35 @@
+//! sessionflow-worker: a Kafka stage that keeps per-session order while sessions run in
+//! parallel.
+//!
+//! A record's path reads top to bottom in module order: the consumer loop ([`intake`]) tracks
+//! its offset ([`offsets`]) and hashes its session onto a dispatcher ([`routing`],
+//! [`dispatcher`]), parking it when the dispatchers are full ([`backpressure`]); the
+//! session's own task ([`session`]) runs the [`handler`], retrying in place ([`retry`]); the
+//! [`producer`] writes the output or the dead letter ([`dlq`]) and reports the record done
+//! ([`completion`]), and the consumer loop commits the contiguous watermark.
+
+pub mod backpressure;
+pub mod completion;
+pub mod config;
+pub mod dispatcher;
+pub mod dlq;
+pub mod handler;
+pub mod health;
+pub mod intake;
+pub mod loadgen;
+pub mod metrics;
+pub mod offsets;
+pub mod producer;
+pub mod record;
+pub mod retry;
+pub mod routing;
+pub mod session;
+pub mod telemetry;
+pub mod topics;
+pub mod verify;
+pub mod worker;
+
+pub use config::StageConfig;
+pub use handler::{Handler, HandlerError, HandlerResult};
+pub use record::InputRecord;
+pub use worker::{run, start, RunningWorker};

@@ -1,0 +1,234 @@
+//! The `sessionflow-worker` command: run a stage, generate load, verify a topic, make topics.
+//!
+//! Exit codes: 0 success; 1 runtime failure (or, for `verify`, a failed check); 2 bad usage
+//! or bad configuration, detected before anything touches Kafka.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use tokio_util::sync::CancellationToken;
+
+use sessionflow_worker::handler::ConfiguredHandler;
+use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
+use sessionflow_worker::telemetry::{self, LogFormat};
+use sessionflow_worker::verify::{self, VerifyOptions};
+use sessionflow_worker::{topics, StageConfig};
+
+#[derive(Parser)]
+#[command(
+    name = "sessionflow-worker",
+    version,
+    about = "Session-ordered Kafka stage worker"
+)]
+struct Cli {
+    /// Log format on stderr.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run one pipeline stage until SIGTERM/SIGINT.
+    Run {
+        /// Stage config (YAML).
+        #[arg(long)]
+        config: PathBuf,
+        /// Bootstrap servers; overrides `brokers` in the config.
+        #[arg(long, env = "SESSIONFLOW_BROKERS")]
+        brokers: Option<String>,
+    },
+    /// Produce N records over S sessions, numbered per session (`sessionflow-seq`).
+    Loadgen {
+        #[arg(long, env = "SESSIONFLOW_BROKERS", default_value = "127.0.0.1:9092")]
+        brokers: String,
+        #[arg(long)]
+        topic: String,
+        #[arg(long, default_value_t = 100_000)]
+        records: u64,
+        #[arg(long, default_value_t = 1_000)]
+        sessions: u64,
+        /// Pick sessions with a Zipf law of this exponent instead of uniformly.
+        #[arg(long)]
+        zipf: Option<f64>,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Padding bytes per value.
+        #[arg(long, default_value_t = 64)]
+        value_size: usize,
+        #[arg(long, default_value = "session-")]
+        session_prefix: String,
+    },
+    /// Read a topic back and check per-session order, gaps, loss and duplicates.
+    Verify {
+        #[arg(long, env = "SESSIONFLOW_BROKERS", default_value = "127.0.0.1:9092")]
+        brokers: String,
+        /// The topic to check (a stage's output).
+        #[arg(long)]
+        topic: String,
+        /// The DLQ: its records count as accounted for.
+        #[arg(long)]
+        dlq: Option<String>,
+        /// The pipeline's input: every record in it must be in the output or the DLQ.
+        #[arg(long)]
+        input: Option<String>,
+        /// Read the session id from this header instead of the key.
+        #[arg(long)]
+        session_header: Option<String>,
+        #[arg(long, default_value_t = 120)]
+        timeout_secs: u64,
+    },
+    /// Create topics (existing ones are left alone).
+    CreateTopics {
+        #[arg(long, env = "SESSIONFLOW_BROKERS", default_value = "127.0.0.1:9092")]
+        brokers: String,
+        #[arg(long, default_value_t = 8)]
+        partitions: i32,
+        #[arg(required = true)]
+        topics: Vec<String>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    telemetry::init(cli.log_format);
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: starting the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(dispatch(cli.command))
+}
+
+async fn dispatch(command: Command) -> ExitCode {
+    match command {
+        Command::Run { config, brokers } => {
+            let config = match load_config(&config, brokers.as_deref()) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            report(run_stage(config).await)
+        }
+        Command::Loadgen {
+            brokers,
+            topic,
+            records,
+            sessions,
+            zipf,
+            seed,
+            value_size,
+            session_prefix,
+        } => {
+            let opts = LoadgenOptions {
+                choice: zipf.map_or(SessionChoice::Uniform, SessionChoice::Zipf),
+                seed,
+                value_size,
+                session_prefix,
+                progress: true,
+                ..LoadgenOptions::new(&brokers, &topic, records, sessions)
+            };
+            report(loadgen::run(&opts).await.map(|r| {
+                println!(
+                    "produced {} records over {} sessions to {topic} in {:.2}s ({:.0} records/s)",
+                    r.records,
+                    r.sessions_used,
+                    r.elapsed.as_secs_f64(),
+                    r.rate()
+                );
+            }))
+        }
+        Command::Verify {
+            brokers,
+            topic,
+            dlq,
+            input,
+            session_header,
+            timeout_secs,
+        } => {
+            let opts = VerifyOptions {
+                brokers,
+                topic,
+                dlq,
+                input,
+                session_header,
+                timeout: Duration::from_secs(timeout_secs),
+            };
+            match tokio::task::spawn_blocking(move || verify::run(&opts)).await {
+                Ok(Ok(r)) => {
+                    println!("{r}");
+                    if r.is_ok() {
+                        ExitCode::SUCCESS
+                    } else {
+                        ExitCode::FAILURE
+                    }
+                }
+                Ok(Err(e)) => report(Err(e)),
+                Err(e) => report(Err(e.into())),
+            }
+        }
+        Command::CreateTopics {
+            brokers,
+            partitions,
+            topics: names,
+        } => {
+            let names: Vec<&str> = names.iter().map(String::as_str).collect();
+            report(topics::create(&brokers, &names, partitions).await)
+        }
+    }
+}
+
+fn load_config(path: &std::path::Path, brokers: Option<&str>) -> anyhow::Result<StageConfig> {
+    let mut config = StageConfig::parse_file(path)?;
+    if let Some(b) = brokers {
+        config.brokers = b.to_string();
+    }
+    config.validate()?;
+    Ok(config)
+}
+
+async fn run_stage(config: StageConfig) -> anyhow::Result<()> {
+    let handler = ConfiguredHandler::from_config(&config.handler)?;
+    let stop = CancellationToken::new();
+    let signals = stop.clone();
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        tracing::info!("stop requested; draining");
+        signals.cancel();
+    });
+    tracing::info!(stage = %config.stage, input = %config.input, group = %config.group_id(),
+        "starting stage");
+    sessionflow_worker::run(config, handler, stop).await
+}
+
+async fn wait_for_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("installing the SIGTERM handler");
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
+
+fn report(result: anyhow::Result<()>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

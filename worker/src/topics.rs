@@ -1,0 +1,48 @@
+//! Creating and deleting topics.
+//!
+//! Brokers may auto-create a topic on first produce, with whatever partition count they like
+//! (nisshi picks 4), so the demo, the tests and users' setup create every topic explicitly with
+//! the partition count they mean. Existing topics are left as they are.
+
+use std::time::Duration;
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::types::RDKafkaErrorCode;
+
+fn admin(brokers: &str) -> anyhow::Result<AdminClient<DefaultClientContext>> {
+    Ok(ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()?)
+}
+
+/// Creates each topic with `partitions` partitions unless it already exists.
+pub async fn create(brokers: &str, topics: &[&str], partitions: i32) -> anyhow::Result<()> {
+    let admin = admin(brokers)?;
+    let new: Vec<NewTopic<'_>> = topics
+        .iter()
+        .map(|t| NewTopic::new(t, partitions, TopicReplication::Fixed(1)))
+        .collect();
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(20)));
+    for result in admin.create_topics(&new, &opts).await? {
+        match result {
+            Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Err((topic, code)) => anyhow::bail!("creating topic {topic}: {code}"),
+        }
+    }
+    Ok(())
+}
+
+/// Deletes the topics; missing ones are ignored.
+pub async fn delete(brokers: &str, topics: &[&str]) -> anyhow::Result<()> {
+    let admin = admin(brokers)?;
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(20)));
+    for result in admin.delete_topics(topics, &opts).await? {
+        match result {
+            Ok(_) | Err((_, RDKafkaErrorCode::UnknownTopicOrPartition)) => {}
+            Err((topic, code)) => anyhow::bail!("deleting topic {topic}: {code}"),
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,167 @@
+//! Running one stage: wiring the consumer loop, dispatchers, session tasks and producer.
+//!
+//! The pieces start in dependency order (metrics server, producer, dispatchers, then the
+//! consumer loop that feeds them) and stop in reverse: the consumer loop stops fetching, waits
+//! for in-flight records up to the shutdown timeout and commits; then session tasks are
+//! aborted, the producer's acknowledgements awaited and its queue flushed. Rust users embed the
+//! engine through [`start`] / [`run`] with their own [`Handler`].
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::completion;
+use crate::config::StageConfig;
+use crate::dispatcher::Dispatcher;
+use crate::handler::Handler;
+use crate::health::{self, Health};
+use crate::intake::{consumer_config, IntakeLoop, IntakeSettings};
+use crate::metrics::Metrics;
+use crate::producer::{producer_config, StageProducer};
+use crate::session::SessionContext;
+
+/// How long, after the consumer loop ends, session tasks and acknowledgements get to finish.
+const CLOSE_GRACE: Duration = Duration::from_secs(10);
+
+/// A stage running in the background.
+pub struct RunningWorker {
+    pub metrics: Metrics,
+    pub health: Arc<Health>,
+    /// Where `/metrics` is served, when enabled.
+    pub metrics_addr: Option<SocketAddr>,
+    stop: CancellationToken,
+    done: JoinHandle<anyhow::Result<()>>,
+}
+
+impl RunningWorker {
+    /// Asks the worker to stop gracefully (as SIGTERM does).
+    pub fn stop(&self) {
+        self.stop.cancel();
+    }
+
+    /// Waits for the worker to end.
+    pub async fn wait(self) -> anyhow::Result<()> {
+        self.done.await?
+    }
+
+    /// Stops the worker and waits for it.
+    pub async fn shutdown(self) -> anyhow::Result<()> {
+        self.stop();
+        self.wait().await
+    }
+}
+
+/// Runs a stage until `stop` is cancelled.
+pub async fn run<H: Handler>(
+    config: StageConfig,
+    handler: H,
+    stop: CancellationToken,
+) -> anyhow::Result<()> {
+    let worker = start(config, handler).await?;
+    let stopper = worker.stop.clone();
+    tokio::spawn(async move {
+        stop.cancelled().await;
+        stopper.cancel();
+    });
+    worker.wait().await
+}
+
+/// Starts a stage in the background.
+pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Result<RunningWorker> {
+    config.validate()?;
+    let metrics = Metrics::new(&config.stage);
+    let health = Arc::new(Health::default());
+    let stop = CancellationToken::new();
+    let abort = CancellationToken::new();
+    let server_stop = CancellationToken::new();
+
+    let metrics_addr = match config.metrics_addr {
+        Some(addr) => Some(
+            health::serve(addr, metrics.clone(), health.clone(), server_stop.clone())
+                .await
+                .map_err(|e| anyhow::anyhow!("metricsAddr {addr}: {e}"))?,
+        ),
+        None => None,
+    };
+
+    let extra: Vec<(String, String)> = config
+        .kafka
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let (completions_tx, completions_rx) = completion::channel();
+    let producer = StageProducer::new(
+        &producer_config(&config.brokers, &extra),
+        config.output.clone(),
+        config.dlq.clone(),
+        config.stage.clone(),
+        completions_tx,
+        metrics.clone(),
+    )?;
+
+    let sessions = TaskTracker::new();
+    let session_ctx = Arc::new(SessionContext {
+        handler: Arc::new(handler),
+        producer: producer.clone(),
+        retry: config.retry_policy(),
+        metrics: metrics.clone(),
+        abort: abort.clone(),
+    });
+    let idle = Duration::from_millis(config.session_idle_ms);
+    let senders: Vec<_> = (0..config.dispatchers)
+        .map(|_| {
+            let (tx, rx) = mpsc::channel(config.dispatcher_capacity);
+            sessions.spawn(Dispatcher::new(rx, session_ctx.clone(), idle, sessions.clone()).run());
+            tx
+        })
+        .collect();
+
+    let settings = IntakeSettings {
+        input: config.input.clone(),
+        session: config.session.clone(),
+        commit_interval: Duration::from_millis(config.commit_interval_ms),
+        max_in_flight_per_partition: config.max_in_flight_per_partition,
+        dispatcher_capacity: config.dispatcher_capacity,
+        resume_below: 0.5,
+        revoke_drain_timeout: Duration::from_millis(config.shutdown_timeout_ms.min(10_000)),
+        shutdown_timeout: Duration::from_millis(config.shutdown_timeout_ms),
+    };
+    let intake = IntakeLoop::new(
+        &consumer_config(&config.brokers, &config.group_id(), &extra),
+        settings,
+        completions_rx,
+        senders,
+        producer.clone(),
+        metrics.clone(),
+        health.clone(),
+        tokio::runtime::Handle::current(),
+        stop.clone(),
+        abort.clone(),
+    )?;
+    let thread = std::thread::Builder::new()
+        .name(format!("intake-{}", config.stage))
+        .spawn(move || intake.run())?;
+
+    let done = tokio::spawn(async move {
+        let joined = tokio::task::spawn_blocking(move || thread.join()).await?;
+        // The loop has drained and committed (or given up at its deadline).
+        abort.cancel();
+        sessions.close();
+        let _ = tokio::time::timeout(CLOSE_GRACE, sessions.wait()).await;
+        producer.close(CLOSE_GRACE).await;
+        server_stop.cancel();
+        joined.map_err(|_| anyhow::anyhow!("the consumer loop panicked"))
+    });
+    Ok(RunningWorker {
+        metrics,
+        health,
+        metrics_addr,
+        stop,
+        done,
+    })
+}
