@@ -24,6 +24,14 @@ pub enum DlqReason {
 }
 
 impl DlqReason {
+    pub const ALL: [DlqReason; 5] = [
+        Self::Poison,
+        Self::RetriesExhausted,
+        Self::MissingSession,
+        Self::ProduceFailed,
+        Self::Stuck,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Poison => "poison",

@@ -16,6 +16,7 @@ pub mod dlq;
 pub mod handler;
 pub mod health;
 pub mod intake;
+pub mod lag;
 pub mod loadgen;
 pub mod metrics;
 pub mod offsets;

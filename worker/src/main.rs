@@ -11,6 +11,7 @@ use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
 use sessionflow_worker::handler::ConfiguredHandler;
+use sessionflow_worker::lag;
 use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
 use sessionflow_worker::telemetry::{self, LogFormat};
 use sessionflow_worker::verify::{self, VerifyOptions};
@@ -79,6 +80,20 @@ enum Command {
         #[arg(long)]
         session_header: Option<String>,
         #[arg(long, default_value_t = 120)]
+        timeout_secs: u64,
+    },
+    /// Show a consumer group's lag on a topic, read from the broker.
+    Lag {
+        #[arg(long, env = "SESSIONFLOW_BROKERS", default_value = "127.0.0.1:9092")]
+        brokers: String,
+        #[arg(long)]
+        group: String,
+        #[arg(long)]
+        topic: String,
+        /// Wait until the total lag is 0 (exit 1 if it is not within --timeout-secs).
+        #[arg(long)]
+        wait_zero: bool,
+        #[arg(long, default_value_t = 600)]
         timeout_secs: u64,
     },
     /// Create topics (existing ones are left alone).
@@ -174,6 +189,19 @@ async fn dispatch(command: Command) -> ExitCode {
                 Err(e) => report(Err(e.into())),
             }
         }
+        Command::Lag {
+            brokers,
+            group,
+            topic,
+            wait_zero,
+            timeout_secs,
+        } => {
+            let task = move || show_lag(&brokers, &group, &topic, wait_zero, timeout_secs);
+            match tokio::task::spawn_blocking(task).await {
+                Ok(r) => report(r),
+                Err(e) => report(Err(e.into())),
+            }
+        }
         Command::CreateTopics {
             brokers,
             partitions,
@@ -182,6 +210,52 @@ async fn dispatch(command: Command) -> ExitCode {
             let names: Vec<&str> = names.iter().map(String::as_str).collect();
             report(topics::create(&brokers, &names, partitions).await)
         }
+    }
+}
+
+fn show_lag(
+    brokers: &str,
+    group: &str,
+    topic: &str,
+    wait_zero: bool,
+    timeout_secs: u64,
+) -> anyhow::Result<()> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(timeout_secs);
+    let mut last_print = std::time::Instant::now() - Duration::from_secs(10);
+    loop {
+        let lags = lag::read(brokers, group, topic, Duration::from_secs(10))?;
+        let total = lag::total(&lags);
+        if !wait_zero {
+            println!("partition  low  high  committed  lag");
+            for l in &lags {
+                let committed = l.committed.map_or("-".to_string(), |c| c.to_string());
+                println!(
+                    "{}  {}  {}  {committed}  {}",
+                    l.partition,
+                    l.low,
+                    l.high,
+                    l.lag()
+                );
+            }
+            println!("total lag {total}");
+            return Ok(());
+        }
+        if total == 0 {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "lag of {group} on {topic} still {total} after {timeout_secs}s"
+        );
+        if last_print.elapsed() >= Duration::from_secs(2) {
+            let high: i64 = lags.iter().map(|l| l.high).sum();
+            eprintln!(
+                "  {group}: {} of {high} committed, lag {total}",
+                high - total
+            );
+            last_print = std::time::Instant::now();
+        }
+        std::thread::sleep(Duration::from_millis(250));
     }
 }
 

@@ -114,6 +114,23 @@ impl Metrics {
         }
     }
 
+    /// Logs the stage's totals (at shutdown).
+    pub fn log(&self) {
+        let dlq: Vec<String> = crate::dlq::DlqReason::ALL
+            .iter()
+            .map(|r| (r.as_str(), self.dlq.with_label_values(&[r.as_str()]).get()))
+            .filter(|(_, n)| *n > 0)
+            .map(|(r, n)| format!("{r}={n}"))
+            .collect();
+        tracing::info!(
+            records_in = self.records_in.get(),
+            records_out = self.records_out.get(),
+            retries = self.retries.get(),
+            dlq = %dlq.join(","),
+            "stage stopped"
+        );
+    }
+
     /// The Prometheus text exposition of every metric.
     pub fn render(&self) -> String {
         let mut buf = Vec::new();

@@ -147,6 +147,7 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         .name(format!("intake-{}", config.stage))
         .spawn(move || intake.run())?;
 
+    let summary = metrics.clone();
     let done = tokio::spawn(async move {
         let joined = tokio::task::spawn_blocking(move || thread.join()).await?;
         // The loop has drained and committed (or given up at its deadline).
@@ -155,6 +156,7 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         let _ = tokio::time::timeout(CLOSE_GRACE, sessions.wait()).await;
         producer.close(CLOSE_GRACE).await;
         server_stop.cancel();
+        summary.log();
         joined.map_err(|_| anyhow::anyhow!("the consumer loop panicked"))
     });
     Ok(RunningWorker {

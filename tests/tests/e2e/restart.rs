@@ -64,11 +64,11 @@ fn output_count(topic: &str) -> i64 {
 async fn killed_worker_restarts_without_loss() {
     let topics = Topics::create("restart", 8).await;
     produce_round_robin(&topics, 100, 200).await;
-    let config = config_file(&topics, 1);
+    let config = config_file(&topics, 20);
 
     let mut first = spawn_worker(&config.0);
     sessionflow_tests::wait_until(Duration::from_secs(120), || {
-        output_count(&topics.output) >= 4_000
+        output_count(&topics.output) >= 3_000
     })
     .await
     .expect("the first worker made progress");

@@ -1,0 +1,115 @@
+//! Consumer lag as the broker sees it: high watermark minus committed offset, per partition.
+//!
+//! Read from the broker, not from the worker's fetch position, so it stays true while a
+//! partition is paused for backpressure (a paused consumer fetches nothing, yet its lag grows).
+//! A partition without a committed offset counts from its low watermark: with
+//! `auto.offset.reset=earliest` that is where the group will start.
+
+use std::time::Duration;
+
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::{Offset, TopicPartitionList};
+
+/// Lag of one partition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PartitionLag {
+    pub partition: i32,
+    pub low: i64,
+    pub high: i64,
+    /// `None` when the group has committed nothing for the partition.
+    pub committed: Option<i64>,
+}
+
+impl PartitionLag {
+    /// Records not yet committed by the group.
+    pub fn lag(&self) -> i64 {
+        let from = self.committed.unwrap_or(self.low).max(self.low);
+        (self.high - from).max(0)
+    }
+}
+
+/// Total lag over partitions.
+pub fn total(lags: &[PartitionLag]) -> i64 {
+    lags.iter().map(PartitionLag::lag).sum()
+}
+
+/// Reads the lag of `group` on every partition of `topic`, without joining the group.
+pub fn read(
+    brokers: &str,
+    group: &str,
+    topic: &str,
+    timeout: Duration,
+) -> anyhow::Result<Vec<PartitionLag>> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .create()?;
+    read_with(&consumer, topic, timeout)
+}
+
+/// Like [`read`], with an existing client whose `group.id` is the group to inspect.
+pub fn read_with(
+    consumer: &BaseConsumer<impl rdkafka::consumer::ConsumerContext>,
+    topic: &str,
+    timeout: Duration,
+) -> anyhow::Result<Vec<PartitionLag>> {
+    let md = consumer.fetch_metadata(Some(topic), timeout)?;
+    let partitions: Vec<i32> = md
+        .topics()
+        .iter()
+        .find(|t| t.name() == topic && t.error().is_none())
+        .map(|t| t.partitions().iter().map(|p| p.id()).collect())
+        .unwrap_or_default();
+    anyhow::ensure!(!partitions.is_empty(), "topic {topic} not found");
+    let mut tpl = TopicPartitionList::new();
+    for p in &partitions {
+        tpl.add_partition(topic, *p);
+    }
+    let committed = consumer.committed_offsets(tpl, timeout)?;
+    partitions
+        .iter()
+        .map(|p| {
+            let (low, high) = consumer.fetch_watermarks(topic, *p, timeout)?;
+            let committed = committed
+                .find_partition(topic, *p)
+                .and_then(|e| match e.offset() {
+                    Offset::Offset(o) => Some(o),
+                    _ => None,
+                });
+            Ok(PartitionLag {
+                partition: *p,
+                low,
+                high,
+                committed,
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lag(low: i64, high: i64, committed: Option<i64>) -> i64 {
+        PartitionLag {
+            partition: 0,
+            low,
+            high,
+            committed,
+        }
+        .lag()
+    }
+
+    #[test]
+    fn lag_from_committed_or_low_watermark() {
+        assert_eq!(lag(0, 100, Some(40)), 60);
+        assert_eq!(lag(0, 100, None), 100);
+        assert_eq!(lag(30, 100, None), 70);
+        // A commit below the low watermark (retention deleted it) counts from the low mark.
+        assert_eq!(lag(30, 100, Some(10)), 70);
+        assert_eq!(lag(0, 100, Some(100)), 0);
+        assert_eq!(lag(0, 0, None), 0);
+    }
+}
