@@ -92,7 +92,10 @@ impl Topics {
                 multiplier: 2.0,
                 max_attempts: 0,
             },
+            stuck: Default::default(),
+            rebalance: Default::default(),
             commit_interval_ms: 200,
+            lag_interval_ms: 500,
             dispatchers: 4,
             dispatcher_capacity: 256,
             session_idle_ms: 1_000,
@@ -349,4 +352,103 @@ pub fn worker_binary() -> PathBuf {
         bin.display()
     );
     bin
+}
+
+/// A worker running as its own process (`sessionflow-worker run`), for tests about process
+/// death and several group members.
+pub struct WorkerProcess {
+    child: std::process::Child,
+    _config: TempFile,
+}
+
+impl WorkerProcess {
+    /// Starts the binary on a config file written from `yaml`.
+    pub fn spawn(yaml: &str) -> Self {
+        let config = TempFile::with_text("sessionflow-config", ".yaml", yaml);
+        let child = std::process::Command::new(worker_binary())
+            .args(["run", "--config"])
+            .arg(&config.0)
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()
+            .expect("start the worker binary");
+        Self {
+            child,
+            _config: config,
+        }
+    }
+
+    /// SIGKILL: no drain, no final commit.
+    pub fn kill(mut self) {
+        self.child.kill().expect("kill");
+        self.child.wait().expect("wait");
+    }
+
+    /// SIGTERM, then wait for the graceful stop; returns the exit status.
+    pub fn terminate(mut self) -> std::process::ExitStatus {
+        let status = std::process::Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("kill -TERM");
+        assert!(status.success());
+        self.child.wait().expect("wait")
+    }
+}
+
+/// A file removed when dropped.
+pub struct TempFile(pub PathBuf);
+
+impl TempFile {
+    pub fn with_text(prefix: &str, suffix: &str, text: &str) -> Self {
+        let path = std::env::temp_dir().join(unique(prefix) + suffix);
+        std::fs::write(&path, text).expect("write temp file");
+        Self(path)
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+impl Topics {
+    /// A stage config file for the worker binary: builtin handler with the given settings
+    /// (`{transientRate: …, latencyMs: …}`), plus extra top-level YAML lines.
+    pub fn stage_yaml(&self, builtin: &str, extra: &str) -> String {
+        let kafka: String = test_kafka_properties()
+            .iter()
+            .map(|(k, v)| format!("  {k}: '{v}'\n"))
+            .collect();
+        format!(
+            "brokers: {brokers}\ngroup: {group}\nstage: test\ninput: {input}\noutput: {output}\n\
+             dlq: {dlq}\nhandler:\n  builtin: {builtin}\n\
+             retry: {{initialBackoffMs: 1, maxBackoffMs: 10}}\ncommitIntervalMs: 200\n\
+             metricsAddr: null\n{extra}\nkafka:\n{kafka}",
+            brokers = brokers(),
+            group = self.group,
+            input = self.input,
+            output = self.output,
+            dlq = self.dlq,
+        )
+    }
+
+    /// Records in the output topic (sum of its end offsets).
+    pub fn output_count(&self) -> i64 {
+        end_offsets(&self.output).iter().sum()
+    }
+}
+
+/// Reads the output and DLQ back and checks them against the input.
+pub fn verify_pipeline(topics: &Topics) -> sessionflow_worker::verify::VerifyReport {
+    sessionflow_worker::verify::run(&sessionflow_worker::verify::VerifyOptions {
+        brokers: brokers(),
+        topic: topics.output.clone(),
+        dlq: Some(topics.dlq.clone()),
+        input: Some(topics.input.clone()),
+        session_header: None,
+        timeout: Duration::from_secs(60),
+    })
+    .expect("verify")
 }

@@ -71,16 +71,17 @@ impl PendingBuffer {
     }
 }
 
-/// When a partition must be paused: something is parked, or too much is in flight.
-pub fn should_pause(pending: usize, in_flight: usize, max_in_flight: usize) -> bool {
-    pending > 0 || in_flight >= max_in_flight
+/// When a partition must be paused: something is parked, or too much is in flight (`span`:
+/// records from the commit watermark to the newest one taken in).
+pub fn should_pause(pending: usize, span: usize, max_in_flight: usize) -> bool {
+    pending > 0 || span >= max_in_flight
 }
 
-/// When a paused partition may fetch again: nothing parked, in-flight records below the resume
+/// When a paused partition may fetch again: nothing parked, the in-flight span below the resume
 /// mark, and the dispatcher that refused a record has room again (free ≥ the same fraction).
 pub fn may_resume(
     pending: usize,
-    in_flight: usize,
+    span: usize,
     max_in_flight: usize,
     dispatcher_free: usize,
     dispatcher_capacity: usize,
@@ -88,7 +89,7 @@ pub fn may_resume(
 ) -> bool {
     let mark = |capacity: usize| (capacity as f64 * resume_below).floor() as usize;
     pending == 0
-        && in_flight <= mark(max_in_flight)
+        && span <= mark(max_in_flight)
         && dispatcher_capacity.saturating_sub(dispatcher_free) <= mark(dispatcher_capacity)
 }
 

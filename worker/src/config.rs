@@ -14,6 +14,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::retry::RetryPolicy;
+use crate::stuck::{StuckAction, StuckPolicy};
 
 /// One stage of a pipeline, as the worker runs it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -41,6 +42,12 @@ pub struct StageConfig {
     pub handler: HandlerConfig,
     #[serde(default)]
     pub retry: RetryConfig,
+    /// What happens to a record whose handler does not finish in time.
+    #[serde(default)]
+    pub stuck: StuckConfig,
+    /// How partitions move between workers of the group.
+    #[serde(default)]
+    pub rebalance: RebalanceConfig,
     /// How often the contiguous watermark is committed.
     #[serde(default = "defaults::commit_interval_ms")]
     pub commit_interval_ms: u64,
@@ -53,9 +60,14 @@ pub struct StageConfig {
     /// A session task with nothing to do for this long is removed.
     #[serde(default = "defaults::session_idle_ms")]
     pub session_idle_ms: u64,
-    /// Records of one partition taken in but not finished; beyond it the partition is paused.
+    /// Records of one partition between the committed watermark and the newest record taken
+    /// in (unfinished ones and finished ones above an unfinished one); beyond it the partition
+    /// is paused. It bounds memory and what a crash can replay.
     #[serde(default = "defaults::max_in_flight_per_partition")]
     pub max_in_flight_per_partition: usize,
+    /// How often the lag of the assigned partitions is read from the broker.
+    #[serde(default = "defaults::lag_interval_ms")]
+    pub lag_interval_ms: u64,
     /// How long a shutdown waits for sessions to finish before giving up on the rest.
     #[serde(default = "defaults::shutdown_timeout_ms")]
     pub shutdown_timeout_ms: u64,
@@ -137,6 +149,88 @@ impl Default for RetryConfig {
     }
 }
 
+/// `stuck:` — the per-record handler timeout (from the first attempt, across retries).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct StuckConfig {
+    #[serde(default = "defaults::stuck_timeout_ms")]
+    pub timeout_ms: u64,
+    #[serde(default)]
+    pub action: StuckActionConfig,
+}
+
+impl Default for StuckConfig {
+    fn default() -> Self {
+        Self {
+            timeout_ms: defaults::stuck_timeout_ms(),
+            action: StuckActionConfig::Log,
+        }
+    }
+}
+
+/// `stuck.action`: `log` reports and keeps waiting; `dlq` cancels and dead-letters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub enum StuckActionConfig {
+    #[default]
+    Log,
+    Dlq,
+}
+
+impl From<StuckConfig> for StuckPolicy {
+    fn from(c: StuckConfig) -> Self {
+        StuckPolicy {
+            timeout: Duration::from_millis(c.timeout_ms),
+            action: match c.action {
+                StuckActionConfig::Log => StuckAction::Log,
+                StuckActionConfig::Dlq => StuckAction::DeadLetter,
+            },
+        }
+    }
+}
+
+/// `rebalance:` — the group protocol and how long a revoked partition may drain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RebalanceConfig {
+    #[serde(default)]
+    pub strategy: RebalanceStrategy,
+    /// Longest wait for a revoked partition's in-flight records before its final commit; keep
+    /// it below the group's session timeout.
+    #[serde(default = "defaults::drain_timeout_ms")]
+    pub drain_timeout_ms: u64,
+}
+
+impl Default for RebalanceConfig {
+    fn default() -> Self {
+        Self {
+            strategy: RebalanceStrategy::default(),
+            drain_timeout_ms: defaults::drain_timeout_ms(),
+        }
+    }
+}
+
+/// `rebalance.strategy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum RebalanceStrategy {
+    /// Incremental: only the partitions that move are revoked (cooperative-sticky).
+    #[default]
+    Cooperative,
+    /// Stop-the-world: every partition is revoked and reassigned (range,roundrobin).
+    Eager,
+}
+
+impl RebalanceStrategy {
+    /// librdkafka's `partition.assignment.strategy`.
+    pub fn assignment_strategy(self) -> &'static str {
+        match self {
+            Self::Cooperative => "cooperative-sticky",
+            Self::Eager => "range,roundrobin",
+        }
+    }
+}
+
 impl From<RetryConfig> for RetryPolicy {
     fn from(c: RetryConfig) -> Self {
         RetryPolicy {
@@ -163,6 +257,15 @@ mod defaults {
         30_000
     }
     pub fn max_in_flight_per_partition() -> usize {
+        10_000
+    }
+    pub fn lag_interval_ms() -> u64 {
+        5_000
+    }
+    pub fn stuck_timeout_ms() -> u64 {
+        300_000
+    }
+    pub fn drain_timeout_ms() -> u64 {
         10_000
     }
     pub fn shutdown_timeout_ms() -> u64 {
@@ -309,7 +412,10 @@ impl StageConfig {
         if !(self.retry.multiplier.is_finite() && self.retry.multiplier >= 1.0) {
             return Err(ConfigError::new("retry.multiplier", "must be at least 1.0"));
         }
+        positive("stuck.timeoutMs", self.stuck.timeout_ms)?;
+        positive("rebalance.drainTimeoutMs", self.rebalance.drain_timeout_ms)?;
         positive("commitIntervalMs", self.commit_interval_ms)?;
+        positive("lagIntervalMs", self.lag_interval_ms)?;
         positive("dispatchers", self.dispatchers as u64)?;
         positive("dispatcherCapacity", self.dispatcher_capacity as u64)?;
         positive("sessionIdleMs", self.session_idle_ms)?;
@@ -339,10 +445,15 @@ impl StageConfig {
     pub fn retry_policy(&self) -> RetryPolicy {
         self.retry.into()
     }
+
+    pub fn stuck_policy(&self) -> StuckPolicy {
+        self.stuck.into()
+    }
 }
 
 /// librdkafka properties whose value the engine's guarantees depend on.
 pub const OWNED_KAFKA_KEYS: &[&str] = &[
+    "partition.assignment.strategy",
     "enable.auto.commit",
     "enable.auto.offset.store",
     "enable.idempotence",
@@ -393,6 +504,8 @@ sessionIdleMs: 1000
 maxInFlightPerPartition: 64
 metricsAddr: 127.0.0.1:0
 kafka: {fetch.wait.max.ms: '100'}
+stuck: {timeoutMs: 900, action: dlq}
+rebalance: {strategy: eager, drainTimeoutMs: 3000}
 ",
         )
         .unwrap();
@@ -411,6 +524,17 @@ kafka: {fetch.wait.max.ms: '100'}
         );
         assert_eq!(c.retry_policy().max_attempts, 4);
         assert_eq!(c.kafka["fetch.wait.max.ms"], "100");
+        assert_eq!(
+            c.stuck_policy(),
+            StuckPolicy {
+                timeout: Duration::from_millis(900),
+                action: StuckAction::DeadLetter
+            }
+        );
+        assert_eq!(
+            c.rebalance.strategy.assignment_strategy(),
+            "range,roundrobin"
+        );
     }
 
     fn key_of(yaml: &str) -> String {
@@ -428,6 +552,14 @@ kafka: {fetch.wait.max.ms: '100'}
             "retry.multiplier"
         );
         assert_eq!(key_of(&format!("{MINIMAL}dispatchers: 0\n")), "dispatchers");
+        assert_eq!(
+            key_of(&format!("{MINIMAL}stuck: {{action: explode}}\n")),
+            "stuck.action"
+        );
+        assert_eq!(
+            key_of(&format!("{MINIMAL}rebalance: {{strategy: sticky}}\n")),
+            "rebalance.strategy"
+        );
         assert_eq!(key_of(&format!("{MINIMAL}output: in\n")), "output");
         assert_eq!(
             key_of(&format!("{MINIMAL}kafka: {{enable.auto.commit: 'true'}}\n")),

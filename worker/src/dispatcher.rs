@@ -72,7 +72,7 @@ impl<H: Handler> Dispatcher<H> {
             let handle = self.sessions.entry(session.clone()).or_insert_with(|| {
                 SessionHandle::spawn(session.clone(), self.ctx.clone(), &self.tasks)
             });
-            match handle.send(record) {
+            match handle.send(record, &self.ctx.metrics) {
                 Ok(()) => return,
                 Err(back) => {
                     // The task ended (aborted); start a fresh one for this record.

@@ -31,10 +31,12 @@ use tokio_util::sync::CancellationToken;
 
 use crate::backpressure::{self, Offer, PendingBuffer};
 use crate::completion::{Completion, CompletionReceiver};
-use crate::config::SessionSource;
+use crate::config::{RebalanceStrategy, SessionSource};
 use crate::dlq::DlqReason;
 use crate::health::Health;
+use crate::lag::Assigned;
 use crate::metrics::Metrics;
+use crate::offset_map::{self, DoneAbove};
 use crate::offsets::{OffsetTracker, Partition};
 use crate::producer::StageProducer;
 use crate::record::{InputRecord, Lease};
@@ -64,7 +66,12 @@ pub struct IntakeSettings {
 }
 
 /// The consumer settings the guarantees rely on, then the user's extra properties.
-pub fn consumer_config(brokers: &str, group: &str, extra: &[(String, String)]) -> ClientConfig {
+pub fn consumer_config(
+    brokers: &str,
+    group: &str,
+    strategy: RebalanceStrategy,
+    extra: &[(String, String)],
+) -> ClientConfig {
     let mut c = ClientConfig::new();
     c.set("bootstrap.servers", brokers)
         // Starting at the end would skip what was produced before the stage first ran.
@@ -74,6 +81,10 @@ pub fn consumer_config(brokers: &str, group: &str, extra: &[(String, String)]) -
         c.set(k, v);
     }
     c.set("group.id", group)
+        .set(
+            "partition.assignment.strategy",
+            strategy.assignment_strategy(),
+        )
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false");
     c
@@ -88,11 +99,18 @@ struct PartitionState {
     blocked_on: Option<usize>,
     /// Records taken in and neither completed nor released unprocessed.
     unreleased: usize,
+    /// Offsets above the committed watermark that a previous owner finished (commit metadata).
+    done_above: DoneAbove,
+    /// The completed-offset map no longer fits in commit metadata: take no new records until
+    /// the watermark catches up.
+    map_overflow: bool,
 }
 
 /// Everything the loop and the rebalance callback share.
 struct Book {
     topic: Arc<str>,
+    /// The assignment, shared with the lag reporter.
+    assigned: Assigned,
     tracker: OffsetTracker,
     partitions: HashMap<Partition, PartitionState>,
     next_epoch: u64,
@@ -158,10 +176,26 @@ impl Book {
             }
         }
         for (p, w) in chosen {
-            if let Some(o) = self.tracker.partition_mut(p) {
-                o.mark_committed(w);
+            let Some(o) = self.tracker.partition_mut(p) else {
+                continue;
+            };
+            let map = offset_map::encode(w, o.next().unwrap_or(w), o.in_flight_offsets());
+            o.mark_committed(w);
+            let overflow = matches!(map, Err(offset_map::MapError::TooLarge(_)));
+            if let Some(state) = self.partitions.get_mut(&p) {
+                if overflow && !state.map_overflow {
+                    tracing::warn!(
+                        partition = p,
+                        "completed-offset map too large for commit \
+                        metadata; committing the plain watermark and holding intake"
+                    );
+                }
+                state.map_overflow = overflow;
             }
             let _ = tpl.add_partition_offset(&self.topic, p, KafkaOffset::Offset(w));
+            if let (Ok(text), Some(mut el)) = (map, tpl.find_partition(&self.topic, p)) {
+                el.set_metadata(text);
+            }
         }
         tpl
     }
@@ -182,16 +216,24 @@ impl IntakeContext {
         self.book.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn on_assign(&self, tpl: &TopicPartitionList) {
+    fn on_assign(&self, consumer: &BaseConsumer<IntakeContext>, tpl: &TopicPartitionList) {
+        let committed = self.committed_maps(consumer, tpl);
         let mut book = self.book();
         for e in tpl.elements_for_topic(&self.settings.input) {
             let p = e.partition();
             if book.partitions.contains_key(&p) {
                 continue;
             }
+            let done_above = committed
+                .get(&p)
+                .cloned()
+                .unwrap_or_else(|| DoneAbove::empty(0));
             book.next_epoch += 1;
             let lease = Arc::new(Lease::new(p, book.next_epoch));
             book.tracker.assign(p);
+            if let Ok(mut a) = book.assigned.lock() {
+                a.insert(p);
+            }
             book.partitions.insert(
                 p,
                 PartitionState {
@@ -200,10 +242,50 @@ impl IntakeContext {
                     paused: false,
                     blocked_on: None,
                     unreleased: 0,
+                    done_above,
+                    map_overflow: false,
                 },
             );
             tracing::info!(partition = p, "partition assigned");
         }
+    }
+
+    /// The completed-offset maps committed for the newly assigned partitions (empty where the
+    /// broker kept no metadata).
+    fn committed_maps(
+        &self,
+        consumer: &BaseConsumer<IntakeContext>,
+        tpl: &TopicPartitionList,
+    ) -> HashMap<Partition, DoneAbove> {
+        let mut maps = HashMap::new();
+        let committed = match consumer.committed_offsets(tpl.clone(), Duration::from_secs(10)) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "reading committed offsets failed; replaying from the watermark");
+                return maps;
+            }
+        };
+        for e in committed.elements_for_topic(&self.settings.input) {
+            let KafkaOffset::Offset(w) = e.offset() else {
+                continue;
+            };
+            match offset_map::decode(w, e.metadata()) {
+                Ok(map) => {
+                    if map.count() > 0 {
+                        tracing::info!(
+                            partition = e.partition(),
+                            watermark = w,
+                            already_done = map.count(),
+                            "resuming with a completed-offset map"
+                        );
+                    }
+                    maps.insert(e.partition(), map);
+                }
+                Err(err) => tracing::warn!(partition = e.partition(), error = %err,
+                    "ignoring commit metadata; replaying from the watermark"),
+            }
+        }
+        maps
     }
 
     /// Revocation: stop routing, let in-flight records finish (bounded), commit, forget.
@@ -238,6 +320,9 @@ impl IntakeContext {
             let unfinished = book.unreleased(&[*p]);
             book.partitions.remove(p);
             book.tracker.revoke(*p);
+            if let Ok(mut a) = book.assigned.lock() {
+                a.remove(p);
+            }
             tracing::info!(partition = p, unfinished, "partition revoked");
         }
         self.metrics.in_flight.set(book.tracker.in_flight() as i64);
@@ -292,9 +377,9 @@ impl ConsumerContext for IntakeContext {
         }
     }
 
-    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         match rebalance {
-            Rebalance::Assign(tpl) => self.on_assign(tpl),
+            Rebalance::Assign(tpl) => self.on_assign(consumer, tpl),
             Rebalance::Error(e) => tracing::warn!(error = %e, "rebalance error"),
             Rebalance::Revoke(_) => {}
         }
@@ -336,6 +421,7 @@ impl IntakeLoop {
         config: &ClientConfig,
         settings: IntakeSettings,
         completions: CompletionReceiver,
+        assigned: Assigned,
         dispatchers: Vec<mpsc::Sender<InputRecord>>,
         producer: StageProducer,
         metrics: Metrics,
@@ -347,6 +433,7 @@ impl IntakeLoop {
         let context = IntakeContext {
             book: Mutex::new(Book {
                 topic: settings.input.as_str().into(),
+                assigned,
                 tracker: OffsetTracker::new(),
                 partitions: HashMap::new(),
                 next_epoch: 0,
@@ -435,8 +522,15 @@ impl IntakeLoop {
             // Already taken in (a re-fetch after pause/resume); never process twice.
             return;
         }
-        state.unreleased += 1;
         ctx.metrics.records_in.inc();
+        if state.done_above.is_done(offset) {
+            // Finished by a previous owner (commit metadata): skip, but keep it in the books so
+            // the watermark moves over it.
+            ctx.metrics.replay_skipped.inc();
+            let _ = book.tracker.complete(partition, offset);
+            return;
+        }
+        state.unreleased += 1;
         let record =
             InputRecord::from_message(message, book.topic.clone(), &ctx.settings.session, lease);
         if record.session.is_none() {
@@ -466,16 +560,14 @@ impl IntakeLoop {
                 Offer::Closed(_) => state.unreleased -= 1,
             }
         }
-        let in_flight = book
-            .tracker
-            .partition(partition)
-            .map_or(0, |p| p.in_flight());
+        let span = book.tracker.partition(partition).map_or(0, |p| p.span());
         if !state.paused
-            && backpressure::should_pause(
-                state.pending.len(),
-                in_flight,
-                ctx.settings.max_in_flight_per_partition,
-            )
+            && (state.map_overflow
+                || backpressure::should_pause(
+                    state.pending.len(),
+                    span,
+                    ctx.settings.max_in_flight_per_partition,
+                ))
         {
             state.paused = true;
             pause_partition(&self.consumer, &book.topic, partition, true);
@@ -504,7 +596,7 @@ impl IntakeLoop {
                 result
             });
             state.unreleased = state.unreleased.saturating_sub(closed.len());
-            let in_flight = book.tracker.partition(*p).map_or(0, |o| o.in_flight());
+            let span = book.tracker.partition(*p).map_or(0, |o| o.span());
             let (free, capacity) = state.blocked_on.map_or(
                 (
                     ctx.settings.dispatcher_capacity,
@@ -517,14 +609,16 @@ impl IntakeLoop {
                     )
                 },
             );
-            if backpressure::may_resume(
-                state.pending.len(),
-                in_flight,
-                ctx.settings.max_in_flight_per_partition,
-                free,
-                capacity,
-                ctx.settings.resume_below,
-            ) {
+            if !state.map_overflow
+                && backpressure::may_resume(
+                    state.pending.len(),
+                    span,
+                    ctx.settings.max_in_flight_per_partition,
+                    free,
+                    capacity,
+                    ctx.settings.resume_below,
+                )
+            {
                 state.paused = false;
                 state.blocked_on = None;
                 pause_partition(&self.consumer, &book.topic, *p, false);

@@ -113,3 +113,72 @@ mod tests {
         assert_eq!(lag(0, 0, None), 0);
     }
 }
+
+/// The partitions this worker holds, shared between the consumer loop (writer) and the lag
+/// reporter (reader).
+pub type Assigned = std::sync::Arc<std::sync::Mutex<std::collections::BTreeSet<i32>>>;
+
+/// Reports `sessionflow_partition_lag` for the assigned partitions on a timer of its own,
+/// through a client of its own: it keeps reporting while partitions are paused or the consumer
+/// loop is busy draining.
+pub struct LagReporter {
+    pub brokers: String,
+    pub group: String,
+    pub topic: String,
+    pub interval: Duration,
+    pub assigned: Assigned,
+    pub metrics: crate::metrics::Metrics,
+}
+
+impl LagReporter {
+    /// Runs on its own thread until `stop` is cancelled.
+    pub fn spawn(
+        self,
+        stop: tokio_util::sync::CancellationToken,
+    ) -> std::io::Result<std::thread::JoinHandle<()>> {
+        std::thread::Builder::new()
+            .name("lag-reporter".into())
+            .spawn(move || self.run(stop))
+    }
+
+    fn run(self, stop: tokio_util::sync::CancellationToken) {
+        let consumer: BaseConsumer = match ClientConfig::new()
+            .set("bootstrap.servers", &self.brokers)
+            .set("group.id", &self.group)
+            .set("enable.auto.commit", "false")
+            .create()
+        {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::error!(error = %e, "lag reporter could not create its client");
+                return;
+            }
+        };
+        let mut reported: std::collections::BTreeSet<i32> = Default::default();
+        while !stop.is_cancelled() {
+            let assigned = self.assigned.lock().map(|a| a.clone()).unwrap_or_default();
+            match read_with(&consumer, &self.topic, Duration::from_secs(5)) {
+                Ok(lags) => {
+                    for l in lags.iter().filter(|l| assigned.contains(&l.partition)) {
+                        self.metrics
+                            .partition_lag
+                            .with_label_values(&[&self.topic, &l.partition.to_string()])
+                            .set(l.lag());
+                    }
+                    for gone in reported.difference(&assigned) {
+                        let _ = self
+                            .metrics
+                            .partition_lag
+                            .remove_label_values(&[&self.topic, &gone.to_string()]);
+                    }
+                    reported = assigned;
+                }
+                Err(e) => tracing::debug!(error = %e, "lag read failed; retrying"),
+            }
+            let until = std::time::Instant::now() + self.interval;
+            while std::time::Instant::now() < until && !stop.is_cancelled() {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+}

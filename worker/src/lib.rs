@@ -19,15 +19,18 @@ pub mod intake;
 pub mod lag;
 pub mod loadgen;
 pub mod metrics;
+pub mod offset_map;
 pub mod offsets;
 pub mod producer;
 pub mod record;
 pub mod retry;
 pub mod routing;
 pub mod session;
+pub mod stuck;
 pub mod telemetry;
 pub mod topics;
 pub mod verify;
+pub mod watchdog;
 pub mod worker;
 
 pub use config::StageConfig;

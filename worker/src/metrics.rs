@@ -24,6 +24,11 @@ pub struct Metrics {
     pub pending_records: IntGauge,
     pub produce_errors: IntCounter,
     pub commit_errors: IntCounter,
+    pub stuck_records: IntCounter,
+    pub stuck_now: IntGauge,
+    pub order_violations: IntCounterVec,
+    pub replay_skipped: IntCounter,
+    pub partition_lag: IntGaugeVec,
 }
 
 impl Metrics {
@@ -56,6 +61,16 @@ impl Metrics {
             "Output records the broker did not acknowledge after the producer's own retries.",
         );
         let commit_errors = counter("commit_errors_total", "Offset commits that failed.");
+        let stuck_records = counter(
+            "stuck_records_total",
+            "Records whose handler ran past stuck.timeoutMs (an operational failure).",
+        );
+        let stuck_now = gauge("stuck_records", "Records currently past stuck.timeoutMs.");
+        let replay_skipped = counter(
+            "replay_skipped_total",
+            "Replayed records skipped because they were already done (commit metadata or the \
+             session's recent event ids).",
+        );
         let in_flight = gauge("in_flight", "Records taken in and not finished.");
         let active_sessions = gauge("active_sessions", "Session tasks alive.");
         let paused_partitions = gauge(
@@ -97,8 +112,40 @@ impl Metrics {
         registry
             .register(Box::new(committed_offset.clone()))
             .expect("unique metric");
+        let order_violations = IntCounterVec::new(
+            Opts::new(
+                "order_violations_total",
+                "Per-session sessionflow-seq going backwards within one assignment, seen at \
+                 intake or at handler entry. Must stay 0.",
+            ),
+            &["at"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(order_violations.clone()))
+            .expect("unique metric");
+        for at in ["intake", "handler"] {
+            order_violations.with_label_values(&[at]);
+        }
+        let partition_lag = IntGaugeVec::new(
+            Opts::new(
+                "partition_lag",
+                "High watermark minus committed offset of each assigned partition, read from \
+                 the broker.",
+            ),
+            &["topic", "partition"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(partition_lag.clone()))
+            .expect("unique metric");
         Self {
             registry,
+            stuck_records,
+            stuck_now,
+            order_violations,
+            replay_skipped,
+            partition_lag,
             records_in,
             records_out,
             retries,

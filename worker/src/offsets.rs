@@ -25,6 +25,8 @@ pub struct PartitionOffsets {
     next: Option<Offset>,
     /// The last watermark handed to the broker, to skip commits that would change nothing.
     committed: Option<Offset>,
+    /// Something completed since the last commit (the completed-offset map changed).
+    dirty: bool,
 }
 
 impl PartitionOffsets {
@@ -46,6 +48,7 @@ impl PartitionOffsets {
     /// in flight is reported, not ignored: it means two owners for one record.
     pub fn complete(&mut self, offset: Offset) -> Result<(), OffsetError> {
         if self.in_flight.remove(&offset) {
+            self.dirty = true;
             Ok(())
         } else {
             Err(OffsetError::NotInFlight { offset })
@@ -57,15 +60,35 @@ impl PartitionOffsets {
         self.in_flight.first().copied().or(self.next)
     }
 
-    /// The watermark if it moved since the last [`mark_committed`](Self::mark_committed).
+    /// The watermark if it, or the set of completed offsets above it, changed since the last
+    /// [`mark_committed`](Self::mark_committed).
     pub fn commit_candidate(&self) -> Option<Offset> {
         let watermark = self.watermark()?;
-        (self.committed != Some(watermark)).then_some(watermark)
+        (self.committed != Some(watermark) || self.dirty).then_some(watermark)
     }
 
     /// Remembers that `offset` was committed.
     pub fn mark_committed(&mut self, offset: Offset) {
         self.committed = Some(offset);
+        self.dirty = false;
+    }
+
+    /// Offsets from the watermark to the newest one begun: what a crash now could replay.
+    pub fn span(&self) -> usize {
+        match (self.watermark(), self.next) {
+            (Some(w), Some(n)) => usize::try_from(n - w).unwrap_or(0),
+            _ => 0,
+        }
+    }
+
+    /// One past the highest offset begun.
+    pub fn next(&self) -> Option<Offset> {
+        self.next
+    }
+
+    /// Unfinished offsets, ascending.
+    pub fn in_flight_offsets(&self) -> impl Iterator<Item = Offset> + '_ {
+        self.in_flight.iter().copied()
     }
 
     /// Forgets the last commit (it failed), so the watermark is committed again.
@@ -179,8 +202,10 @@ mod tests {
         p.complete(104).unwrap();
         // 102 still running: 104 done must not let the commit pass 102.
         assert_eq!(p.watermark(), Some(102));
+        assert_eq!(p.span(), 3);
         p.complete(102).unwrap();
         assert_eq!(p.watermark(), Some(105));
+        assert_eq!(p.span(), 0);
     }
 
     #[test]

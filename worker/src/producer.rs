@@ -225,6 +225,11 @@ impl StageProducer {
         let _ = self.inner.completions.send(Completion::done(record));
     }
 
+    /// Completes a replayed record that was already done, without producing anything.
+    pub fn skip_replayed(&self, record: &InputRecord) {
+        self.complete(record);
+    }
+
     /// Gives up on a record without completing it: it will be redelivered (to this worker or
     /// the partition's next owner) because its offset is never committed.
     pub fn release(&self, record: &InputRecord) {

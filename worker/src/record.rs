@@ -126,6 +126,14 @@ impl InputRecord {
         find(&self.headers, name)
     }
 
+    /// The `sessionflow-seq` header, when present and numeric.
+    pub fn seq(&self) -> Option<u64> {
+        std::str::from_utf8(self.header(header::SEQ)?)
+            .ok()?
+            .parse()
+            .ok()
+    }
+
     /// The session id as text, for logs and HTTP headers (lossy for non-UTF-8 ids).
     pub fn session_str(&self) -> std::borrow::Cow<'_, str> {
         String::from_utf8_lossy(self.session.as_deref().unwrap_or_default())

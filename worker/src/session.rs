@@ -7,8 +7,11 @@
 //! session has its own task. There is no retry queue and no retry state machine.
 //!
 //! Session tasks exist only while a session is active; the dispatcher spawns them on a
-//! session's first record and drops them after `sessionIdleMs` without work.
+//! session's first record and drops them after `sessionIdleMs` without work. While alive, a task
+//! remembers the event ids it recently finished, so a replayed record (its partition came back
+//! after a rebalance, before the commit caught up) is not processed and produced twice.
 
+use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -17,6 +20,7 @@ use bytes::Bytes;
 use rand::Rng;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::dlq::DlqReason;
 use crate::handler::{Handler, HandlerError};
@@ -24,12 +28,18 @@ use crate::metrics::Metrics;
 use crate::producer::StageProducer;
 use crate::record::InputRecord;
 use crate::retry::RetryPolicy;
+use crate::stuck::{StuckPolicy, StuckWatch, Verdict};
+use crate::watchdog::SeqWatch;
+
+/// How many finished event ids a session task remembers.
+const RECENT_EVENT_IDS: usize = 256;
 
 /// What every session task of a stage shares.
 pub struct SessionContext<H> {
     pub handler: Arc<H>,
     pub producer: StageProducer,
     pub retry: RetryPolicy,
+    pub stuck: StuckPolicy,
     pub metrics: Metrics,
     /// Cancelled when the shutdown deadline passes: stop mid-record, leave it uncommitted.
     pub abort: CancellationToken,
@@ -37,10 +47,12 @@ pub struct SessionContext<H> {
 
 /// A running session's queue, as its dispatcher sees it.
 pub struct SessionHandle {
-    pub tx: mpsc::UnboundedSender<InputRecord>,
+    tx: mpsc::UnboundedSender<InputRecord>,
     /// Records sent to the task and not yet finished by it.
-    pub queued: Arc<AtomicUsize>,
-    pub last_active: Instant,
+    queued: Arc<AtomicUsize>,
+    last_active: Instant,
+    /// Order check of the records as they reach the session (the watchdog's "intake").
+    intake: SeqWatch,
 }
 
 impl SessionHandle {
@@ -48,7 +60,7 @@ impl SessionHandle {
     pub fn spawn<H: Handler>(
         session: Bytes,
         ctx: Arc<SessionContext<H>>,
-        tasks: &tokio_util::task::TaskTracker,
+        tasks: &TaskTracker,
     ) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
         let queued = Arc::new(AtomicUsize::new(0));
@@ -57,19 +69,30 @@ impl SessionHandle {
             rx,
             queued: queued.clone(),
             ctx,
+            entry: SeqWatch::default(),
+            recent: RecentEvents::default(),
         };
         tasks.spawn(task.run());
         Self {
             tx,
             queued,
             last_active: Instant::now(),
+            intake: SeqWatch::default(),
         }
     }
 
     /// Queues a record behind the session's earlier ones. Returns it if the task is gone.
     // Handing the record back (a move, not a copy) is the point of the error variant.
     #[allow(clippy::result_large_err)]
-    pub fn send(&mut self, record: InputRecord) -> Result<(), InputRecord> {
+    pub fn send(&mut self, record: InputRecord, metrics: &Metrics) -> Result<(), InputRecord> {
+        if self.intake.observe(record.lease.epoch, record.seq()) {
+            metrics
+                .order_violations
+                .with_label_values(&["intake"])
+                .inc();
+            tracing::error!(session = %record.session_str(), offset = record.offset,
+                seq = record.seq(), "order violation at intake");
+        }
         self.queued.fetch_add(1, Ordering::AcqRel);
         self.last_active = Instant::now();
         self.tx.send(record).map_err(|e| {
@@ -84,11 +107,38 @@ impl SessionHandle {
     }
 }
 
+/// Event ids a session finished recently, oldest evicted first.
+#[derive(Default)]
+struct RecentEvents {
+    order: VecDeque<String>,
+    set: HashSet<String>,
+}
+
+impl RecentEvents {
+    fn contains(&self, id: &str) -> bool {
+        self.set.contains(id)
+    }
+
+    fn insert(&mut self, id: &str) {
+        if self.set.insert(id.to_string()) {
+            self.order.push_back(id.to_string());
+            if self.order.len() > RECENT_EVENT_IDS {
+                if let Some(old) = self.order.pop_front() {
+                    self.set.remove(&old);
+                }
+            }
+        }
+    }
+}
+
 struct SessionTask<H> {
     session: Bytes,
     rx: mpsc::UnboundedReceiver<InputRecord>,
     queued: Arc<AtomicUsize>,
     ctx: Arc<SessionContext<H>>,
+    /// Order check at handler entry.
+    entry: SeqWatch,
+    recent: RecentEvents,
 }
 
 impl<H: Handler> SessionTask<H> {
@@ -102,6 +152,9 @@ impl<H: Handler> SessionTask<H> {
             }
             if record.lease.is_revoked() {
                 self.ctx.producer.release(&record);
+            } else if self.recent.contains(&record.event_id) {
+                self.ctx.metrics.replay_skipped.inc();
+                self.ctx.producer.skip_replayed(&record);
             } else {
                 self.process(record).await;
             }
@@ -112,21 +165,48 @@ impl<H: Handler> SessionTask<H> {
     }
 
     /// Runs one record to completion (success or DLQ), or releases it (abort, revocation).
-    async fn process(&self, record: InputRecord) {
-        if !self.attempt_until_settled(&record).await {
+    async fn process(&mut self, record: InputRecord) {
+        if self.entry.observe(record.lease.epoch, record.seq()) {
+            self.ctx
+                .metrics
+                .order_violations
+                .with_label_values(&["handler"])
+                .inc();
+            tracing::error!(session = %record.session_str(), offset = record.offset,
+                seq = record.seq(), "order violation at handler entry");
+        }
+        let mut watch = StuckWatch::start(self.ctx.stuck);
+        let settled = self.attempt_until_settled(&record, &mut watch).await;
+        watch.finish(&self.ctx.metrics);
+        if settled {
+            self.recent.insert(&record.event_id);
+        } else {
             self.ctx.producer.release(&record);
         }
     }
 
     /// Tries the record until it succeeds or goes to the DLQ (true), or is abandoned (false).
-    async fn attempt_until_settled(&self, record: &InputRecord) -> bool {
+    async fn attempt_until_settled(&self, record: &InputRecord, watch: &mut StuckWatch) -> bool {
         let ctx = &*self.ctx;
+        let first_start = Instant::now();
         let mut attempt: u32 = 1;
         loop {
             let started = Instant::now();
-            let result = tokio::select! {
-                r = ctx.handler.handle(record, attempt) => r,
-                _ = ctx.abort.cancelled() => return false,
+            let call = ctx.handler.handle(record, attempt);
+            tokio::pin!(call);
+            let result = loop {
+                tokio::select! {
+                    r = &mut call => break r,
+                    _ = ctx.abort.cancelled() => return false,
+                    _ = watch.expired(), if watch.armed() => {
+                        if watch.fire(record, &ctx.metrics, first_start) == Verdict::DeadLetter {
+                            let error = format!("handler did not finish within {:?} (attempt {attempt})",
+                                ctx.stuck.timeout);
+                            ctx.producer.dead_letter(record, DlqReason::Stuck, &error, attempt).await;
+                            return true;
+                        }
+                    }
+                }
             };
             let outcome = match &result {
                 Ok(_) => "ok",
@@ -157,9 +237,20 @@ impl<H: Handler> SessionTask<H> {
                     let delay = ctx.retry.delay(attempt, rand::rng().random::<f64>());
                     tracing::debug!(session = %record.session_str(), offset = record.offset,
                         attempt, ?delay, error = %e, "transient failure; retrying in place");
-                    tokio::select! {
-                        _ = tokio::time::sleep(delay) => {}
-                        _ = ctx.abort.cancelled() => return false,
+                    let sleep = tokio::time::sleep(delay);
+                    tokio::pin!(sleep);
+                    loop {
+                        tokio::select! {
+                            _ = &mut sleep => break,
+                            _ = ctx.abort.cancelled() => return false,
+                            _ = watch.expired(), if watch.armed() => {
+                                if watch.fire(record, &ctx.metrics, first_start) == Verdict::DeadLetter {
+                                    let error = format!("still failing after {:?}: {e}", ctx.stuck.timeout);
+                                    ctx.producer.dead_letter(record, DlqReason::Stuck, &error, attempt).await;
+                                    return true;
+                                }
+                            }
+                        }
                     }
                     if record.lease.is_revoked() {
                         return false; // the partition moved to another worker, which redoes it

@@ -21,6 +21,7 @@ use crate::dispatcher::Dispatcher;
 use crate::handler::Handler;
 use crate::health::{self, Health};
 use crate::intake::{consumer_config, IntakeLoop, IntakeSettings};
+use crate::lag::{Assigned, LagReporter};
 use crate::metrics::Metrics;
 use crate::producer::{producer_config, StageProducer};
 use crate::session::SessionContext;
@@ -109,6 +110,7 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         handler: Arc::new(handler),
         producer: producer.clone(),
         retry: config.retry_policy(),
+        stuck: config.stuck_policy(),
         metrics: metrics.clone(),
         abort: abort.clone(),
     });
@@ -128,13 +130,29 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         max_in_flight_per_partition: config.max_in_flight_per_partition,
         dispatcher_capacity: config.dispatcher_capacity,
         resume_below: 0.5,
-        revoke_drain_timeout: Duration::from_millis(config.shutdown_timeout_ms.min(10_000)),
+        revoke_drain_timeout: Duration::from_millis(config.rebalance.drain_timeout_ms),
         shutdown_timeout: Duration::from_millis(config.shutdown_timeout_ms),
     };
+    let assigned = Assigned::default();
+    let lag_thread = LagReporter {
+        brokers: config.brokers.clone(),
+        group: config.group_id(),
+        topic: config.input.clone(),
+        interval: Duration::from_millis(config.lag_interval_ms),
+        assigned: assigned.clone(),
+        metrics: metrics.clone(),
+    }
+    .spawn(server_stop.clone())?;
     let intake = IntakeLoop::new(
-        &consumer_config(&config.brokers, &config.group_id(), &extra),
+        &consumer_config(
+            &config.brokers,
+            &config.group_id(),
+            config.rebalance.strategy,
+            &extra,
+        ),
         settings,
         completions_rx,
+        assigned,
         senders,
         producer.clone(),
         metrics.clone(),
@@ -156,6 +174,7 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         let _ = tokio::time::timeout(CLOSE_GRACE, sessions.wait()).await;
         producer.close(CLOSE_GRACE).await;
         server_stop.cancel();
+        let _ = tokio::task::spawn_blocking(move || lag_thread.join()).await;
         summary.log();
         joined.map_err(|_| anyhow::anyhow!("the consumer loop panicked"))
     });

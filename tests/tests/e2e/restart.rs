@@ -1,102 +1,112 @@
 //! Guarantee 2 across process death: kill the worker process mid-run (SIGKILL: no drain, no
 //! final commit), start it again, and nothing is lost and order still holds. Replays are
-//! allowed (at-least-once) and counted.
+//! allowed (at-least-once), counted, and bounded by the in-flight limit. A graceful stop
+//! (SIGTERM) drains and commits, so a restart replays nothing.
 
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use sessionflow_tests::{brokers, end_offsets, test_kafka_properties, worker_binary, Topics};
-use sessionflow_worker::verify::{self, VerifyOptions};
+use sessionflow_tests::{verify_pipeline, wait_until, Topics, WorkerProcess};
 
 use crate::produce_round_robin;
-
-fn config_file(topics: &Topics, latency_ms: u64) -> tempfile_path::TempPath {
-    let kafka: String = test_kafka_properties()
-        .iter()
-        .map(|(k, v)| format!("  {k}: '{v}'\n"))
-        .collect();
-    let yaml = format!(
-        "brokers: {brokers}\ngroup: {group}\nstage: restart\ninput: {input}\noutput: {output}\n\
-         dlq: {dlq}\nhandler:\n  builtin: {{transientRate: 0.05, latencyMs: {latency_ms}, seed: 3}}\n\
-         retry: {{initialBackoffMs: 1, maxBackoffMs: 10}}\ncommitIntervalMs: 200\n\
-         metricsAddr: null\nkafka:\n{kafka}",
-        brokers = brokers(),
-        group = topics.group,
-        input = topics.input,
-        output = topics.output,
-        dlq = topics.dlq,
-    );
-    tempfile_path::write(&yaml)
-}
-
-/// Minimal temp file handling (removed on drop).
-mod tempfile_path {
-    pub struct TempPath(pub std::path::PathBuf);
-    impl Drop for TempPath {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_file(&self.0);
-        }
-    }
-    pub fn write(text: &str) -> TempPath {
-        let path =
-            std::env::temp_dir().join(sessionflow_tests::unique("sessionflow-config") + ".yaml");
-        std::fs::write(&path, text).unwrap();
-        TempPath(path)
-    }
-}
-
-fn spawn_worker(config: &std::path::Path) -> Child {
-    Command::new(worker_binary())
-        .args(["run", "--config"])
-        .arg(config)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start the worker binary")
-}
-
-fn output_count(topic: &str) -> i64 {
-    end_offsets(topic).iter().sum()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_worker_restarts_without_loss() {
     let topics = Topics::create("restart", 8).await;
     produce_round_robin(&topics, 100, 200).await;
-    let config = config_file(&topics, 20);
+    let yaml = topics.stage_yaml("{transientRate: 0.05, latencyMs: 20, seed: 3}", "");
 
-    let mut first = spawn_worker(&config.0);
-    sessionflow_tests::wait_until(Duration::from_secs(120), || {
-        output_count(&topics.output) >= 3_000
-    })
-    .await
-    .expect("the first worker made progress");
-    first.kill().unwrap(); // SIGKILL
-    first.wait().unwrap();
-    let produced_before_kill = output_count(&topics.output);
+    let first = WorkerProcess::spawn(&yaml);
+    wait_until(Duration::from_secs(120), || topics.output_count() >= 3_000)
+        .await
+        .expect("the first worker made progress");
+    first.kill();
+    let produced_before_kill = topics.output_count();
     assert!(
         produced_before_kill < 20_000,
         "killed too late to test anything"
     );
 
-    let mut second = spawn_worker(&config.0);
+    let second = WorkerProcess::spawn(&yaml);
     topics.wait_fully_committed(Duration::from_secs(180)).await;
-    second.kill().unwrap();
-    second.wait().unwrap();
+    second.kill();
 
-    let report = verify::run(&VerifyOptions {
-        brokers: brokers(),
-        topic: topics.output.clone(),
-        dlq: Some(topics.dlq.clone()),
-        input: Some(topics.input.clone()),
-        session_header: None,
-        timeout: Duration::from_secs(60),
-    })
-    .unwrap();
+    let report = verify_pipeline(&topics);
     eprintln!("after kill -9 at {produced_before_kill} outputs and restart:\n{report}");
     assert!(report.is_ok(), "{report}");
     assert_eq!(report.lost, 0);
     assert_eq!(report.records - report.duplicates, 20_000, "{report}");
+    topics.delete().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn five_kills_lose_nothing_and_replay_at_most_the_in_flight_window() {
+    let topics = Topics::create("kills", 8).await;
+    produce_round_robin(&topics, 200, 100).await;
+    let max_in_flight = 200;
+    let yaml = topics.stage_yaml(
+        "{transientRate: 0.05, latencyMs: 10, seed: 5}",
+        &format!("maxInFlightPerPartition: {max_in_flight}"),
+    );
+    let mut kills = 0;
+    for round in 1..=5 {
+        let worker = WorkerProcess::spawn(&yaml);
+        let target = round * 3_000;
+        let reached =
+            wait_until(Duration::from_secs(120), || topics.output_count() >= target).await;
+        worker.kill();
+        assert!(reached.is_ok(), "round {round}: no progress to {target}");
+        kills += 1;
+    }
+    let last = WorkerProcess::spawn(&yaml);
+    topics.wait_fully_committed(Duration::from_secs(180)).await;
+    last.terminate();
+
+    let report = verify_pipeline(&topics);
+    eprintln!("after {kills} kill -9:\n{report}");
+    assert!(report.is_ok(), "{report}");
+    assert_eq!(report.records - report.duplicates, 20_000, "{report}");
+    // A kill replays at most what lay between the committed watermark and the newest record
+    // taken in, per partition: maxInFlightPerPartition (plus records parked while paused,
+    // and the commit interval's worth of progress).
+    let bound = kills * 8 * (max_in_flight as u64 + 100);
+    eprintln!(
+        "replayed {} records over {kills} kills (bound {bound})",
+        report.duplicates
+    );
+    assert!(
+        report.duplicates <= bound,
+        "{} replays > {bound}",
+        report.duplicates
+    );
+    topics.delete().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_then_restart_processes_nothing_twice() {
+    let topics = Topics::create("sigterm", 8).await;
+    produce_round_robin(&topics, 100, 100).await;
+    // A small in-flight window, so the stop finds most records not yet taken in.
+    let yaml = topics.stage_yaml(
+        "{transientRate: 0.1, latencyMs: 20, seed: 9}",
+        "maxInFlightPerPartition: 100",
+    );
+    let first = WorkerProcess::spawn(&yaml);
+    wait_until(Duration::from_secs(120), || topics.output_count() >= 2_000)
+        .await
+        .expect("progress");
+    let status = first.terminate();
+    assert!(status.success(), "graceful stop exits 0, got {status}");
+    let stopped_at = topics.output_count();
+    assert!(stopped_at < 10_000, "stopped too late to test anything");
+
+    let second = WorkerProcess::spawn(&yaml);
+    topics.wait_fully_committed(Duration::from_secs(180)).await;
+    assert!(second.terminate().success());
+
+    let report = verify_pipeline(&topics);
+    eprintln!("SIGTERM at {stopped_at} outputs, restart:\n{report}");
+    assert!(report.is_ok(), "{report}");
+    assert_eq!(report.duplicates, 0, "{report}");
+    assert_eq!(report.records, 10_000, "{report}");
     topics.delete().await;
 }
