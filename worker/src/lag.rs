@@ -88,32 +88,6 @@ pub fn read_with(
         .collect()
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn lag(low: i64, high: i64, committed: Option<i64>) -> i64 {
-        PartitionLag {
-            partition: 0,
-            low,
-            high,
-            committed,
-        }
-        .lag()
-    }
-
-    #[test]
-    fn lag_from_committed_or_low_watermark() {
-        assert_eq!(lag(0, 100, Some(40)), 60);
-        assert_eq!(lag(0, 100, None), 100);
-        assert_eq!(lag(30, 100, None), 70);
-        // A commit below the low watermark (retention deleted it) counts from the low mark.
-        assert_eq!(lag(30, 100, Some(10)), 70);
-        assert_eq!(lag(0, 100, Some(100)), 0);
-        assert_eq!(lag(0, 0, None), 0);
-    }
-}
-
 /// The partitions this worker holds, shared between the consumer loop (writer) and the lag
 /// reporter (reader).
 pub type Assigned = std::sync::Arc<std::sync::Mutex<std::collections::BTreeSet<i32>>>;
@@ -180,5 +154,31 @@ impl LagReporter {
                 std::thread::sleep(Duration::from_millis(100));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lag(low: i64, high: i64, committed: Option<i64>) -> i64 {
+        PartitionLag {
+            partition: 0,
+            low,
+            high,
+            committed,
+        }
+        .lag()
+    }
+
+    #[test]
+    fn lag_from_committed_or_low_watermark() {
+        assert_eq!(lag(0, 100, Some(40)), 60);
+        assert_eq!(lag(0, 100, None), 100);
+        assert_eq!(lag(30, 100, None), 70);
+        // A commit below the low watermark (retention deleted it) counts from the low mark.
+        assert_eq!(lag(30, 100, Some(10)), 70);
+        assert_eq!(lag(0, 100, Some(100)), 0);
+        assert_eq!(lag(0, 0, None), 0);
     }
 }
