@@ -50,6 +50,9 @@ pub struct Topics {
 
 impl Topics {
     pub async fn create(name: &str, partitions: i32) -> Self {
+        if std::env::var_os("SESSIONFLOW_TEST_LOG").is_some() {
+            sessionflow_worker::telemetry::init(sessionflow_worker::telemetry::LogFormat::Text);
+        }
         let t = Self {
             input: unique(&format!("{name}-in")),
             output: unique(&format!("{name}-out")),
@@ -327,17 +330,34 @@ impl Handler for RecordingHandler {
                 .or_default()
                 .push((seq, attempt));
         }
+        // Leaves the session's "inside the handler" state even when the call is cancelled.
+        let _inside = Inside {
+            seen: &self.seen,
+            session: &session,
+        };
         let delay = (self.delay)(&session, seq);
         if !delay.is_zero() {
             tokio::time::sleep(delay).await;
         }
         let result = (self.fate)(&session, seq, attempt);
-        let mut seen = self.seen.lock().unwrap();
-        seen.active.remove(&session);
         if result.is_ok() {
-            seen.finished_at.insert(session, Instant::now());
+            let mut seen = self.seen.lock().unwrap();
+            seen.finished_at.insert(session.clone(), Instant::now());
         }
         result
+    }
+}
+
+struct Inside<'a> {
+    seen: &'a Mutex<Seen>,
+    session: &'a str,
+}
+
+impl Drop for Inside<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut seen) = self.seen.lock() {
+            seen.active.remove(self.session);
+        }
     }
 }
 

@@ -2,11 +2,14 @@
 //! one). One test binary, one module per guarantee; tests run in parallel, each on its own
 //! topics and group.
 
+mod backpressure;
 mod dead_letters;
 mod http_handler;
 mod isolation;
 mod order;
+mod rebalance;
 mod restart;
+mod stuck;
 
 use sessionflow_tests::{brokers, Topics};
 use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};

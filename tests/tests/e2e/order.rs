@@ -20,6 +20,18 @@ async fn sessions_stay_ordered_under_transient_faults() {
     topics.wait_fully_committed(Duration::from_secs(180)).await;
     let retries = worker.metrics.retries.get();
     let records_in = worker.metrics.records_in.get();
+    let violations: u64 = ["intake", "handler"]
+        .iter()
+        .map(|at| {
+            worker
+                .metrics
+                .order_violations
+                .with_label_values(&[at])
+                .get()
+        })
+        .sum();
+    assert_eq!(violations, 0, "the ordering watchdog saw violations");
+    assert!(worker.health.is_ready());
     worker.shutdown().await.unwrap();
 
     // At the handler: every session saw 1..=100 in order, retries in place, never concurrently.
