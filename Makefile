@@ -11,9 +11,9 @@ demo: build
 	scripts/with-broker.sh scripts/demo.sh
 
 ## test: build, then unit/property tests and end-to-end tests against a real broker
+## (cargo-nextest when installed: per-test processes and timeouts; cargo test otherwise)
 test: build
-	$(CARGO) test --workspace --lib --bins
-	scripts/with-broker.sh $(CARGO) test -p sessionflow-tests
+	scripts/with-broker.sh scripts/run-tests.sh
 
 build:
 	$(CARGO) build --workspace --all-targets

@@ -50,9 +50,7 @@ pub struct Topics {
 
 impl Topics {
     pub async fn create(name: &str, partitions: i32) -> Self {
-        if std::env::var_os("SESSIONFLOW_TEST_LOG").is_some() {
-            sessionflow_worker::telemetry::init(sessionflow_worker::telemetry::LogFormat::Text);
-        }
+        init_telemetry();
         let t = Self {
             input: unique(&format!("{name}-in")),
             output: unique(&format!("{name}-out")),
@@ -99,6 +97,7 @@ impl Topics {
             rebalance: Default::default(),
             commit_interval_ms: 200,
             lag_interval_ms: 500,
+            otlp_endpoint: None,
             dispatchers: 4,
             dispatcher_capacity: 256,
             session_idle_ms: 1_000,
@@ -132,6 +131,19 @@ impl Topics {
                 )
             });
     }
+}
+
+/// Installs the worker's telemetry (logs only with `SESSIONFLOW_TEST_LOG` set, through
+/// `RUST_LOG`; the OpenTelemetry layer always) once for the test process.
+pub fn init_telemetry() {
+    static TELEMETRY: std::sync::OnceLock<sessionflow_worker::telemetry::Telemetry> =
+        std::sync::OnceLock::new();
+    TELEMETRY.get_or_init(|| {
+        if std::env::var_os("SESSIONFLOW_TEST_LOG").is_none() {
+            std::env::set_var("RUST_LOG", "off");
+        }
+        sessionflow_worker::telemetry::init(sessionflow_worker::telemetry::LogFormat::Text)
+    });
 }
 
 /// librdkafka settings that make tests fast on nisshi and stay Kafka-legal.
@@ -405,14 +417,26 @@ impl WorkerProcess {
         self.child.wait().expect("wait");
     }
 
-    /// SIGTERM, then wait for the graceful stop; returns the exit status.
+    /// SIGTERM, then wait for the graceful stop; returns the exit status. A worker that has not
+    /// stopped after 60 s is killed and the test fails.
     pub fn terminate(mut self) -> std::process::ExitStatus {
         let status = std::process::Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status()
             .expect("kill -TERM");
         assert!(status.success());
-        self.child.wait().expect("wait")
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                return status;
+            }
+            if Instant::now() >= deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                panic!("the worker did not stop within 60 s of SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 }
 

@@ -74,6 +74,9 @@ pub struct StageConfig {
     /// Address of `/metrics`, `/healthz` and `/readyz`; none disables the server.
     #[serde(default = "defaults::metrics_addr")]
     pub metrics_addr: Option<SocketAddr>,
+    /// OTLP/HTTP traces endpoint (e.g. `http://collector:4318/v1/traces`); none: no export.
+    #[serde(default)]
+    pub otlp_endpoint: Option<String>,
     /// Extra librdkafka properties for the consumer and the producers, passed through.
     #[serde(default)]
     pub kafka: BTreeMap<String, String>,

@@ -54,7 +54,9 @@ pub fn dlq_headers(
     let partition = record.partition.to_string();
     let offset = record.offset.to_string();
     let attempts = attempts.to_string();
+    let traceparent = crate::telemetry::traceparent(record).unwrap_or_default();
     let ours = [
+        header::TRACEPARENT,
         header::DLQ_REASON,
         header::DLQ_ERROR,
         header::SOURCE_TOPIC,
@@ -75,6 +77,9 @@ pub fn dlq_headers(
     ];
     if !has_event_id {
         extra.push((header::EVENT_ID, record.event_id.as_bytes()));
+    }
+    if !traceparent.is_empty() {
+        extra.push((header::TRACEPARENT, traceparent.as_bytes()));
     }
     record.headers_with(&ours, &extra)
 }

@@ -248,6 +248,19 @@ impl IntakeContext {
             );
             tracing::info!(partition = p, "partition assigned");
         }
+        // librdkafka keeps a partition's paused flag across assignments: a partition paused
+        // for backpressure when it was revoked would come back paused, and our fresh state
+        // would never resume it. New assignments start fetching.
+        let mut fresh = TopicPartitionList::new();
+        for e in tpl.elements_for_topic(&self.settings.input) {
+            fresh.add_partition(&self.settings.input, e.partition());
+        }
+        drop(book);
+        if fresh.count() > 0 {
+            if let Err(e) = consumer.resume(&fresh) {
+                tracing::warn!(error = %e, "resuming newly assigned partitions failed");
+            }
+        }
     }
 
     /// The completed-offset maps committed for the newly assigned partitions (empty where the

@@ -109,7 +109,6 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    telemetry::init(cli.log_format);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
@@ -117,10 +116,12 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    runtime.block_on(dispatch(cli.command))
+    runtime.block_on(dispatch(cli.command, cli.log_format))
 }
 
-async fn dispatch(command: Command) -> ExitCode {
+async fn dispatch(command: Command, log_format: LogFormat) -> ExitCode {
+    // `run` sets telemetry up once its config (which may name an OTLP endpoint) is read.
+    let _telemetry = (!matches!(command, Command::Run { .. })).then(|| telemetry::init(log_format));
     match command {
         Command::Run { config, brokers } => {
             let config = match load_config(&config, brokers.as_deref()) {
@@ -130,6 +131,8 @@ async fn dispatch(command: Command) -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
+            // Inside the runtime: the OTLP batch exporter spawns onto it.
+            let _telemetry = telemetry::init_with_otlp(log_format, config.otlp_endpoint.as_deref());
             report(run_stage(config).await)
         }
         Command::Loadgen {

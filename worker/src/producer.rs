@@ -23,6 +23,7 @@ use crate::completion::{Completion, CompletionSender};
 use crate::dlq::{dlq_headers, DlqReason};
 use crate::metrics::Metrics;
 use crate::record::{header, InputRecord};
+use crate::telemetry;
 
 /// How long to wait before re-enqueueing when librdkafka's local queue is full.
 const QUEUE_FULL_BACKOFF: Duration = Duration::from_millis(5);
@@ -91,10 +92,12 @@ impl StageProducer {
             self.complete(record);
             return;
         };
-        let headers = record.headers_with(
-            &[header::EVENT_ID],
-            &[(header::EVENT_ID, record.event_id.as_bytes())],
-        );
+        let traceparent = telemetry::traceparent(record).unwrap_or_default();
+        let mut extra = vec![(header::EVENT_ID, record.event_id.as_bytes())];
+        if !traceparent.is_empty() {
+            extra.push((header::TRACEPARENT, traceparent.as_bytes()));
+        }
+        let headers = record.headers_with(&[header::EVENT_ID, header::TRACEPARENT], &extra);
         let key = record.session.as_deref().unwrap_or_default();
         let ack = self.enqueue(topic, key, Some(&payload), headers).await;
         let this = self.clone();

@@ -21,6 +21,7 @@ use rand::Rng;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use tracing::Instrument;
 
 use crate::dlq::DlqReason;
 use crate::handler::{Handler, HandlerError};
@@ -29,6 +30,7 @@ use crate::producer::StageProducer;
 use crate::record::InputRecord;
 use crate::retry::RetryPolicy;
 use crate::stuck::{StuckPolicy, StuckWatch, Verdict};
+use crate::telemetry;
 use crate::watchdog::SeqWatch;
 
 /// How many finished event ids a session task remembers.
@@ -176,7 +178,11 @@ impl<H: Handler> SessionTask<H> {
                 seq = record.seq(), "order violation at handler entry");
         }
         let mut watch = StuckWatch::start(self.ctx.stuck);
-        let settled = self.attempt_until_settled(&record, &mut watch).await;
+        let span = telemetry::record_span(&record);
+        let settled = self
+            .attempt_until_settled(&record, &mut watch)
+            .instrument(span)
+            .await;
         watch.finish(&self.ctx.metrics);
         if settled {
             self.recent.insert(&record.event_id);
@@ -192,7 +198,10 @@ impl<H: Handler> SessionTask<H> {
         let mut attempt: u32 = 1;
         loop {
             let started = Instant::now();
-            let call = ctx.handler.handle(record, attempt);
+            let call = ctx
+                .handler
+                .handle(record, attempt)
+                .instrument(tracing::info_span!("attempt", attempt));
             tokio::pin!(call);
             let result = loop {
                 tokio::select! {

@@ -11,6 +11,7 @@ mod order;
 mod rebalance;
 mod restart;
 mod stuck;
+mod trace_context;
 
 use sessionflow_tests::{brokers, Topics};
 use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};

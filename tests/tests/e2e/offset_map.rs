@@ -34,9 +34,7 @@ fn committed(brokers: &str, group: &str, topic: &str) -> (i64, String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_skips_what_the_commit_metadata_says_is_done() {
-    if std::env::var_os("SESSIONFLOW_TEST_LOG").is_some() {
-        sessionflow_worker::telemetry::init(sessionflow_worker::telemetry::LogFormat::Text);
-    }
+    sessionflow_tests::init_telemetry();
     let cluster = MockCluster::new(1).unwrap();
     let brokers = cluster.bootstrap_servers();
     let topics = Topics {

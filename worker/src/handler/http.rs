@@ -70,8 +70,8 @@ impl HttpHandler {
         set(header::SESSION, &record.session_str());
         set(header::EVENT_ID, &record.event_id);
         set(header::ATTEMPT, &attempt.to_string());
-        if let Some(tp) = record.header(header::TRACEPARENT) {
-            set(header::TRACEPARENT, &String::from_utf8_lossy(tp));
+        if let Some(tp) = crate::telemetry::traceparent(record) {
+            set(header::TRACEPARENT, &tp);
         }
         map
     }
