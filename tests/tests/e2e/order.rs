@@ -3,8 +3,7 @@
 
 use std::time::Duration;
 
-use sessionflow_tests::{brokers, builtin, RecordingHandler, Topics};
-use sessionflow_worker::verify::{self, VerifyOptions};
+use sessionflow_tests::{builtin, verify_pipeline, RecordingHandler, Topics};
 
 use crate::produce_round_robin;
 
@@ -64,15 +63,7 @@ async fn sessions_stay_ordered_under_transient_faults() {
     );
 
     // In the output: in order, nothing lost, nothing duplicated, nothing in the DLQ.
-    let report = verify::run(&VerifyOptions {
-        brokers: brokers(),
-        topic: topics.output.clone(),
-        dlq: Some(topics.dlq.clone()),
-        input: Some(topics.input.clone()),
-        session_header: None,
-        timeout: Duration::from_secs(60),
-    })
-    .unwrap();
+    let report = verify_pipeline(&topics);
     assert!(report.is_ok(), "{report}");
     assert_eq!(report.records, 20_000, "{report}");
     assert_eq!(report.duplicates, 0, "{report}");
