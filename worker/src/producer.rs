@@ -99,7 +99,21 @@ impl StageProducer {
         }
         let headers = record.headers_with(&[header::EVENT_ID, header::TRACEPARENT], &extra);
         let key = record.session.as_deref().unwrap_or_default();
-        let ack = self.enqueue(topic, key, Some(&payload), headers).await;
+        let ack = match self
+            .enqueue_keyed(topic, Some(key), Some(&payload), headers)
+            .await
+        {
+            Ok(ack) => ack,
+            Err(e) => {
+                // Refused locally (e.g. larger than message.max.bytes): it never will be sent.
+                self.inner.metrics.produce_errors.inc();
+                tracing::warn!(error = %e, partition = record.partition, offset = record.offset,
+                    session = %record.session_str(), "output refused by the producer; sending to DLQ");
+                return self
+                    .dead_letter(record, DlqReason::ProduceFailed, &e.to_string(), 1)
+                    .await;
+            }
+        };
         let this = self.clone();
         let record = record.clone();
         self.inner.acks.spawn(async move {
@@ -169,34 +183,38 @@ impl StageProducer {
         error: &str,
         attempts: u32,
     ) -> DeliveryFuture {
-        let headers = dlq_headers(record, &self.inner.stage, reason, error, attempts);
-        self.enqueue_keyed(
-            &self.inner.dlq,
-            record.key.as_deref(),
-            record.value.as_deref(),
-            headers,
-        )
-        .await
+        loop {
+            let headers = dlq_headers(record, &self.inner.stage, reason, error, attempts);
+            let queued = self
+                .enqueue_keyed(
+                    &self.inner.dlq,
+                    record.key.as_deref(),
+                    record.value.as_deref(),
+                    headers,
+                )
+                .await;
+            match queued {
+                Ok(ack) => return ack,
+                Err(e) => {
+                    // The dead letter is the input record itself; if even that is refused, the
+                    // only safe thing is to keep it uncommitted and say so loudly.
+                    tracing::error!(error = %e, topic = %self.inner.dlq,
+                        "DLQ record refused by the producer; retrying");
+                    tokio::time::sleep(DLQ_RETRY_BACKOFF).await;
+                }
+            }
+        }
     }
 
-    async fn enqueue(
-        &self,
-        topic: &str,
-        key: &[u8],
-        payload: Option<&[u8]>,
-        headers: OwnedHeaders,
-    ) -> DeliveryFuture {
-        self.enqueue_keyed(topic, Some(key), payload, headers).await
-    }
-
-    /// Enqueues one record, waiting while librdkafka's local queue is full.
+    /// Enqueues one record, waiting while librdkafka's local queue is full. Other local
+    /// refusals are returned: they do not go away by waiting.
     async fn enqueue_keyed(
         &self,
         topic: &str,
         key: Option<&[u8]>,
         payload: Option<&[u8]>,
         headers: OwnedHeaders,
-    ) -> DeliveryFuture {
+    ) -> Result<DeliveryFuture, KafkaError> {
         let mut record: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(topic).headers(headers);
         if let Some(k) = key {
             record = record.key(k);
@@ -206,19 +224,12 @@ impl StageProducer {
         }
         loop {
             match self.inner.producer.send_result(record) {
-                Ok(ack) => return ack,
+                Ok(ack) => return Ok(ack),
                 Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
                     record = r;
                     tokio::time::sleep(QUEUE_FULL_BACKOFF).await;
                 }
-                Err((e, r)) => {
-                    // Local errors other than a full queue (e.g. message too large for the
-                    // client) are not going to go away; keep the record and retry slowly so
-                    // nothing is lost, and make it loud.
-                    tracing::error!(error = %e, topic, "cannot enqueue record; retrying");
-                    record = r;
-                    tokio::time::sleep(DLQ_RETRY_BACKOFF).await;
-                }
+                Err((e, _)) => return Err(e),
             }
         }
     }

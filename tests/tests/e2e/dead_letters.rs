@@ -120,3 +120,43 @@ async fn failures_reach_the_dlq_with_their_headers_and_the_session_goes_on() {
     );
     topics.delete().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_output_the_producer_refuses_goes_to_the_dlq_as_produce_failed() {
+    let topics = Topics::create("produce-failed", 2).await;
+    produce_round_robin(&topics, 5, 5).await;
+    // seq 3's output is larger than the producer may send.
+    let handler = RecordingHandler::new(|s, seq, _| {
+        if seq == 3 {
+            Ok(Some(vec![b'x'; 50_000]))
+        } else {
+            Ok(Some(format!("{s}:{seq}").into_bytes()))
+        }
+    });
+    let mut stage = topics.stage(builtin(0.0, 0.0));
+    stage
+        .kafka
+        .insert("message.max.bytes".into(), "20000".into());
+    let worker = sessionflow_worker::start(stage, handler.clone())
+        .await
+        .unwrap();
+    topics.wait_fully_committed(Duration::from_secs(60)).await;
+    assert_eq!(worker.metrics.produce_errors.get(), 5);
+    worker.shutdown().await.unwrap();
+
+    let timeout = Duration::from_secs(30);
+    let dlq = read_topic(&brokers(), &topics.dlq, None, timeout).unwrap();
+    assert_eq!(dlq.len(), 5);
+    for d in &dlq {
+        assert_eq!(d.header(header::DLQ_REASON), Some("produce-failed"));
+        assert_eq!(d.seq, Some(3));
+        assert!(
+            d.header(header::DLQ_ERROR).unwrap().contains("too large"),
+            "{d:?}"
+        );
+    }
+    let report = sessionflow_tests::verify_pipeline(&topics);
+    assert!(report.is_ok(), "{report}");
+    assert_eq!(report.records, 20, "{report}");
+    topics.delete().await;
+}
