@@ -8,6 +8,7 @@ mod http_handler;
 mod isolation;
 mod offset_map;
 mod order;
+mod otlp;
 mod rebalance;
 mod restart;
 mod stuck;
