@@ -595,6 +595,12 @@ impl IntakeLoop {
         let mut paused = 0;
         let mut pending_total = 0;
         for (p, state) in book.partitions.iter_mut() {
+            if state.map_overflow && !state.paused {
+                // The last commit could not carry the completed-offset map: hold intake now
+                // rather than at the partition's next record.
+                state.paused = true;
+                pause_partition(&self.consumer, &book.topic, *p, true);
+            }
             if !state.paused {
                 continue;
             }

@@ -114,3 +114,85 @@ async fn a_restart_skips_what_the_commit_metadata_says_is_done() {
     assert_eq!(seen.attempts["session-000000"].len(), 5);
     assert_eq!(skipped, 45);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_map_too_large_for_metadata_holds_intake_until_it_shrinks() {
+    sessionflow_tests::init_telemetry();
+    let cluster = MockCluster::new(1).unwrap();
+    let brokers = cluster.bootstrap_servers();
+    let topics = Topics {
+        input: unique("overflow-in"),
+        output: unique("overflow-out"),
+        dlq: unique("overflow-dlq"),
+        group: unique("overflow-group"),
+    };
+    for t in [&topics.input, &topics.output, &topics.dlq] {
+        cluster.create_topic(t, 1, 1).unwrap();
+    }
+    // 30,000 sessions with one record each; every odd-numbered session hangs, so finished and
+    // unfinished offsets alternate: the map needs ~30,000 runs or a 3,750-byte bitset — more
+    // than commit metadata may hold.
+    let load = |records: u64, prefix: &str| LoadgenOptions {
+        choice: SessionChoice::RoundRobin,
+        session_prefix: prefix.into(),
+        ..LoadgenOptions::new(&brokers, &topics.input, records, records)
+    };
+    loadgen::run(&load(30_000, "s-")).await.unwrap();
+    let handler = RecordingHandler::new(|s, q, _| Ok(Some(format!("{s}:{q}").into_bytes())))
+        .with_delay(|s, _| {
+            let n: u64 = s.trim_start_matches("s-").parse().unwrap_or(0);
+            if s.starts_with("s-") && n % 2 == 1 {
+                Duration::from_secs(3_600)
+            } else {
+                Duration::ZERO
+            }
+        });
+    let mut stage = topics.stage(builtin(0.0, 0.0));
+    stage.brokers = brokers.clone();
+    stage.max_in_flight_per_partition = 100_000;
+    stage.stuck = sessionflow_worker::config::StuckConfig {
+        timeout_ms: 15_000,
+        action: sessionflow_worker::config::StuckActionConfig::Dlq,
+    };
+    stage
+        .kafka
+        .insert("session.timeout.ms".into(), "6000".into());
+    stage
+        .kafka
+        .insert("heartbeat.interval.ms".into(), "200".into());
+    let worker = sessionflow_worker::start(stage, handler).await.unwrap();
+
+    // Once the map outgrows commit metadata the partition is held (possibly before all
+    // 30,000 records are in).
+    wait_until(Duration::from_secs(60), || {
+        worker.metrics.paused_partitions.get() == 1 && worker.metrics.records_in.get() > 24_000
+    })
+    .await
+    .expect("the partition is held");
+    // The commit falls back to the plain watermark (no metadata) while the map is too large;
+    // the watermark is offset 1, the first hung record (s-000001).
+    wait_until(Duration::from_secs(10), || {
+        committed(&brokers, &topics.group, &topics.input) == (1, String::new())
+    })
+    .await
+    .expect("plain watermark committed");
+    // New records are not taken in while the map is too large…
+    let held_at = worker.metrics.records_in.get();
+    assert!(held_at < 31_000);
+    loadgen::run(&load(1_000, "late-")).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        worker.metrics.records_in.get(),
+        held_at,
+        "intake was not held"
+    );
+    // …and are once the hung records are let go (stuck → DLQ) and the map shrinks.
+    wait_until(Duration::from_secs(60), || {
+        committed(&brokers, &topics.group, &topics.input).0 == 31_000
+    })
+    .await
+    .expect("intake resumed and the partition completed");
+    assert_eq!(worker.metrics.records_in.get(), 31_000);
+    assert_eq!(worker.metrics.stuck_records.get(), 15_000);
+    worker.shutdown().await.unwrap();
+}
