@@ -10,6 +10,7 @@ mod offset_map;
 mod order;
 mod otlp;
 mod rebalance;
+mod replays;
 mod restart;
 mod stuck;
 mod trace_context;
