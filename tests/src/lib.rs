@@ -496,3 +496,32 @@ pub fn verify_pipeline(topics: &Topics) -> sessionflow_worker::verify::VerifyRep
     })
     .expect("verify")
 }
+
+/// Produces one record with the given key, value and headers, and waits for its ack.
+pub async fn produce_one(topic: &str, key: Option<&str>, value: &str, headers: &[(&str, &str)]) {
+    use rdkafka::message::{Header, OwnedHeaders};
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    static PRODUCER: std::sync::OnceLock<FutureProducer> = std::sync::OnceLock::new();
+    let producer = PRODUCER.get_or_init(|| {
+        ClientConfig::new()
+            .set("bootstrap.servers", brokers())
+            .create()
+            .expect("producer")
+    });
+    let hs = headers.iter().fold(OwnedHeaders::new(), |hs, (k, v)| {
+        hs.insert(Header {
+            key: k,
+            value: Some(v.as_bytes()),
+        })
+    });
+    let mut record = FutureRecord::<str, str>::to(topic)
+        .payload(value)
+        .headers(hs);
+    if let Some(k) = key {
+        record = record.key(k);
+    }
+    producer
+        .send(record, Duration::from_secs(10))
+        .await
+        .expect("produce");
+}

@@ -4,9 +4,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use rdkafka::config::ClientConfig;
-use rdkafka::producer::{FutureProducer, FutureRecord};
-use sessionflow_tests::{brokers, builtin, RecordingHandler, Topics};
+use sessionflow_tests::{brokers, builtin, produce_one, RecordingHandler, Topics};
 use sessionflow_worker::record::header;
 use sessionflow_worker::verify::{read_topic, Checker};
 use sessionflow_worker::HandlerError;
@@ -18,17 +16,7 @@ async fn failures_reach_the_dlq_with_their_headers_and_the_session_goes_on() {
     let topics = Topics::create("dlq", 4).await;
     produce_round_robin(&topics, 20, 10).await;
     // One record without a key, hence without a session.
-    let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
-        .create()
-        .unwrap();
-    producer
-        .send(
-            FutureRecord::<[u8], _>::to(&topics.input).payload("orphan"),
-            Duration::from_secs(10),
-        )
-        .await
-        .unwrap();
+    produce_one(&topics.input, None, "orphan", &[]).await;
 
     let handler = RecordingHandler::new(|s, seq, _| match seq {
         3 => Err(HandlerError::Poison(format!("cannot parse {s}:{seq}"))),

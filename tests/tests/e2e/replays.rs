@@ -4,49 +4,26 @@
 
 use std::time::Duration;
 
-use rdkafka::config::ClientConfig;
-use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
-use sessionflow_tests::{brokers, builtin, RecordingHandler, Topics};
+use sessionflow_tests::{brokers, builtin, produce_one, RecordingHandler, Topics};
 use sessionflow_worker::record::header;
 use sessionflow_worker::verify::read_topic;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_replays_are_not_processed_twice() {
     let topics = Topics::create("replays", 1).await;
-    let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
-        .create()
-        .unwrap();
     // e1 e2 e3, then an upstream replay of e2 e3, then e4.
-    for (seq, event) in [
+    let records = [
         (1, "e1"),
         (2, "e2"),
         (3, "e3"),
         (2, "e2"),
         (3, "e3"),
         (4, "e4"),
-    ] {
-        let s = seq.to_string();
-        let headers = OwnedHeaders::new()
-            .insert(Header {
-                key: header::SEQ,
-                value: Some(s.as_bytes()),
-            })
-            .insert(Header {
-                key: header::EVENT_ID,
-                value: Some(event.as_bytes()),
-            });
-        producer
-            .send(
-                FutureRecord::to(&topics.input)
-                    .key("s1")
-                    .payload(event)
-                    .headers(headers),
-                Duration::from_secs(10),
-            )
-            .await
-            .unwrap();
+    ];
+    for (seq, event) in records {
+        let seq = seq.to_string();
+        let headers = [(header::SEQ, seq.as_str()), (header::EVENT_ID, event)];
+        produce_one(&topics.input, Some("s1"), event, &headers).await;
     }
     let handler = RecordingHandler::new(|_, seq, _| Ok(Some(format!("out-{seq}").into_bytes())));
     let worker = sessionflow_worker::start(topics.stage(builtin(0.0, 0.0)), handler.clone())

@@ -6,10 +6,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use rdkafka::config::ClientConfig;
-use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
-use sessionflow_tests::{brokers, builtin, RecordingHandler, Topics};
+use sessionflow_tests::{brokers, builtin, produce_one, RecordingHandler, Topics};
 use sessionflow_worker::record::header;
 use sessionflow_worker::verify::read_topic;
 use sessionflow_worker::HandlerError;
@@ -24,35 +21,14 @@ fn parts(traceparent: &str) -> (String, String) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn traceparent_is_continued_into_outputs_dead_letters_and_handler_calls() {
     let topics = Topics::create("trace", 1).await;
-    let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
-        .create()
-        .unwrap();
     let mut sent = HashMap::new();
     for seq in 1..=6u64 {
         let trace = format!("{:032x}", 0xabc0_0000 + seq);
         let span = format!("{:016x}", 0x1000 + seq);
         let tp = format!("00-{trace}-{span}-01");
-        let s = seq.to_string();
-        let headers = OwnedHeaders::new()
-            .insert(Header {
-                key: header::SEQ,
-                value: Some(s.as_bytes()),
-            })
-            .insert(Header {
-                key: header::TRACEPARENT,
-                value: Some(tp.as_bytes()),
-            });
-        producer
-            .send(
-                FutureRecord::to(&topics.input)
-                    .key("s1")
-                    .payload("v")
-                    .headers(headers),
-                Duration::from_secs(10),
-            )
-            .await
-            .unwrap();
+        let headers = [(header::SEQ, seq.to_string()), (header::TRACEPARENT, tp)];
+        let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        produce_one(&topics.input, Some("s1"), "v", &headers).await;
         sent.insert(seq, (trace, span));
     }
     // The handler notes the trace context it runs in.
