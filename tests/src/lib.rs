@@ -396,13 +396,19 @@ pub struct WorkerProcess {
 impl WorkerProcess {
     /// Starts the binary on a config file written from `yaml`.
     pub fn spawn(yaml: &str) -> Self {
+        Self::spawn_logging(yaml, &[], std::process::Stdio::inherit())
+    }
+
+    /// Like [`spawn`](Self::spawn), with extra arguments and stderr sent to `stderr`.
+    pub fn spawn_logging(yaml: &str, args: &[&str], stderr: std::process::Stdio) -> Self {
         let config = TempFile::with_text("sessionflow-config", ".yaml", yaml);
         let child = std::process::Command::new(worker_binary())
+            .args(args)
             .args(["run", "--config"])
             .arg(&config.0)
             .env("RUST_LOG", "warn")
             .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::inherit())
+            .stderr(stderr)
             .spawn()
             .expect("start the worker binary");
         Self {
@@ -524,4 +530,24 @@ pub async fn produce_one(topic: &str, key: Option<&str>, value: &str, headers: &
         .send(record, Duration::from_secs(10))
         .await
         .expect("produce");
+}
+
+/// A plain HTTP/1.1 GET on loopback: (status code, body).
+pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.expect("write");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.expect("read");
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
 }

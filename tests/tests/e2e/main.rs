@@ -6,6 +6,7 @@ mod backpressure;
 mod dead_letters;
 mod http_handler;
 mod isolation;
+mod logs;
 mod offset_map;
 mod order;
 mod otlp;

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use sessionflow_tests::{builtin, verify_pipeline, RecordingHandler, Topics};
+use sessionflow_tests::{builtin, http_get, verify_pipeline, RecordingHandler, Topics};
 
 use crate::produce_round_robin;
 
@@ -13,10 +13,23 @@ async fn sessions_stay_ordered_under_transient_faults() {
     produce_round_robin(&topics, 200, 100).await;
 
     let handler = RecordingHandler::flaky(0.10);
-    let worker = sessionflow_worker::start(topics.stage(builtin(0.0, 0.0)), handler.clone())
+    let mut stage = topics.stage(builtin(0.0, 0.0));
+    stage.metrics_addr = Some("127.0.0.1:0".parse().unwrap());
+    let worker = sessionflow_worker::start(stage, handler.clone())
         .await
         .unwrap();
     topics.wait_fully_committed(Duration::from_secs(180)).await;
+    // The HTTP endpoints a Deployment probes and Prometheus scrapes.
+    let addr = worker.metrics_addr.unwrap();
+    assert_eq!(http_get(addr, "/healthz").await.0, 200);
+    assert_eq!(http_get(addr, "/readyz").await.0, 200);
+    let (status, metrics) = http_get(addr, "/metrics").await;
+    assert_eq!(status, 200);
+    assert!(
+        metrics.contains("sessionflow_records_in_total{stage=\"test\"} 20000"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("sessionflow_order_violations_total{at=\"handler\",stage=\"test\"} 0"));
     let retries = worker.metrics.retries.get();
     let records_in = worker.metrics.records_in.get();
     let violations: u64 = ["intake", "handler"]
