@@ -490,6 +490,16 @@ impl Topics {
     }
 }
 
+/// Asserts that the replays (duplicates in the output) stay within `bound`, and reports them.
+pub fn assert_replays_within(report: &sessionflow_worker::verify::VerifyReport, bound: u64) {
+    eprintln!("replayed {} records (bound {bound})", report.duplicates);
+    assert!(
+        report.duplicates <= bound,
+        "{} replays > {bound}",
+        report.duplicates
+    );
+}
+
 /// Reads the output and DLQ back and checks them against the input.
 pub fn verify_pipeline(topics: &Topics) -> sessionflow_worker::verify::VerifyReport {
     sessionflow_worker::verify::run(&sessionflow_worker::verify::VerifyOptions {

@@ -32,20 +32,34 @@ fn committed(brokers: &str, group: &str, topic: &str) -> (i64, String) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_restart_skips_what_the_commit_metadata_says_is_done() {
+/// A mock cluster with one-partition input, output and DLQ topics (the admin API's
+/// CreateTopics is not supported by the mock, so topics are made through it directly). The
+/// cluster must outlive the test's workers.
+fn mock_cluster(
+    name: &str,
+) -> (
+    MockCluster<'static, rdkafka::producer::DefaultProducerContext>,
+    String,
+    Topics,
+) {
     sessionflow_tests::init_telemetry();
     let cluster = MockCluster::new(1).unwrap();
     let brokers = cluster.bootstrap_servers();
     let topics = Topics {
-        input: unique("map-in"),
-        output: unique("map-out"),
-        dlq: unique("map-dlq"),
-        group: unique("map-group"),
+        input: unique(&format!("{name}-in")),
+        output: unique(&format!("{name}-out")),
+        dlq: unique(&format!("{name}-dlq")),
+        group: unique(&format!("{name}-group")),
     };
     for t in [&topics.input, &topics.output, &topics.dlq] {
         cluster.create_topic(t, 1, 1).unwrap();
     }
+    (cluster, brokers, topics)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_skips_what_the_commit_metadata_says_is_done() {
+    let (_cluster, brokers, topics) = mock_cluster("map");
     // 10 sessions × 5 records on one partition; session-000000's first record is offset 0.
     let opts = LoadgenOptions {
         choice: SessionChoice::RoundRobin,
@@ -117,18 +131,7 @@ async fn a_restart_skips_what_the_commit_metadata_says_is_done() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_map_too_large_for_metadata_holds_intake_until_it_shrinks() {
-    sessionflow_tests::init_telemetry();
-    let cluster = MockCluster::new(1).unwrap();
-    let brokers = cluster.bootstrap_servers();
-    let topics = Topics {
-        input: unique("overflow-in"),
-        output: unique("overflow-out"),
-        dlq: unique("overflow-dlq"),
-        group: unique("overflow-group"),
-    };
-    for t in [&topics.input, &topics.output, &topics.dlq] {
-        cluster.create_topic(t, 1, 1).unwrap();
-    }
+    let (_cluster, brokers, topics) = mock_cluster("overflow");
     // 30,000 sessions with one record each; every odd-numbered session hangs, so finished and
     // unfinished offsets alternate: the map needs ~30,000 runs or a 3,750-byte bitset — more
     // than commit metadata may hold.

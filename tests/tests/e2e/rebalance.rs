@@ -5,7 +5,9 @@
 
 use std::time::Duration;
 
-use sessionflow_tests::{verify_pipeline, wait_until, Topics, WorkerProcess};
+use sessionflow_tests::{
+    assert_replays_within, verify_pipeline, wait_until, Topics, WorkerProcess,
+};
 use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
 
 async fn scale_one_three_one(strategy: &str) {
@@ -50,12 +52,7 @@ async fn scale_one_three_one(strategy: &str) {
     assert_eq!(report.records - report.duplicates, 100_000, "{report}");
     // Four group changes; each can replay at most the in-flight window of the partitions
     // that moved.
-    let bound = 4 * 8 * max_in_flight;
-    assert!(
-        report.duplicates <= bound,
-        "{} replays > {bound}",
-        report.duplicates
-    );
+    assert_replays_within(&report, 4 * 8 * max_in_flight as u64);
     topics.delete().await;
 }
 

@@ -5,7 +5,9 @@
 
 use std::time::Duration;
 
-use sessionflow_tests::{verify_pipeline, wait_until, Topics, WorkerProcess};
+use sessionflow_tests::{
+    assert_replays_within, verify_pipeline, wait_until, Topics, WorkerProcess,
+};
 
 use crate::produce_round_robin;
 
@@ -68,16 +70,7 @@ async fn five_kills_lose_nothing_and_replay_at_most_the_in_flight_window() {
     // A kill replays at most what lay between the committed watermark and the newest record
     // taken in, per partition: maxInFlightPerPartition (plus records parked while paused,
     // and the commit interval's worth of progress).
-    let bound = kills * 8 * (max_in_flight as u64 + 100);
-    eprintln!(
-        "replayed {} records over {kills} kills (bound {bound})",
-        report.duplicates
-    );
-    assert!(
-        report.duplicates <= bound,
-        "{} replays > {bound}",
-        report.duplicates
-    );
+    assert_replays_within(&report, kills * 8 * (max_in_flight as u64 + 100));
     topics.delete().await;
 }
 
