@@ -6,14 +6,22 @@ export BROKER_PORT
 
 .PHONY: demo test unit e2e build lint fmt clippy broker broker-stop clean
 
-## demo: a whole stage locally against a local broker, with faults, verified at the end
-demo: build
-	scripts/with-broker.sh scripts/demo.sh
+## demo: the four-stage pipeline (ingest → nlu → llm → delivery), one worker process per stage,
+## faults at every stage, verified at the end. The broker is embedded (librdkafka's mock
+## cluster) unless BROKERS=host:port names a real one (e.g. after `scripts/broker.sh start`).
+DEMO_RECORDS ?= 120000
+DEMO_RATE ?= 2000
+DEMO_SESSIONS ?= 1000
+BROKERS ?=
+demo:
+	DEMO_RECORDS=$(DEMO_RECORDS) DEMO_RATE=$(DEMO_RATE) DEMO_SESSIONS=$(DEMO_SESSIONS) \
+	  BROKERS=$(BROKERS) CARGO=$(CARGO) scripts/demo.sh
 
-## test: build, then unit/property tests and end-to-end tests against a real broker
+## test: build, then unit/property tests and end-to-end tests against a real broker and (when
+## installed: scripts/apiserver.sh install) a real Kubernetes API server for the CRD tests
 ## (cargo-nextest when installed: per-test processes and timeouts; cargo test otherwise)
 test: build
-	scripts/with-broker.sh scripts/run-tests.sh
+	scripts/with-broker.sh scripts/with-apiserver.sh scripts/run-tests.sh
 
 build:
 	$(CARGO) build --workspace --all-targets
@@ -34,3 +42,25 @@ broker-stop:
 clean:
 	$(CARGO) clean
 	rm -rf .local
+
+.PHONY: images chart-check
+
+## images: build the worker and operator images (Dockerfile.worker, Dockerfile.operator) when a
+## Docker engine answers `docker info`; otherwise say so and build nothing (exit 0).
+IMAGE_REGISTRY ?= ghcr.io/sessionflow
+IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' Cargo.toml | head -n1)
+DOCKER ?= docker
+images:
+	@if $(DOCKER) info >/dev/null 2>&1; then \
+	  set -e; \
+	  $(DOCKER) build -f Dockerfile.worker -t $(IMAGE_REGISTRY)/sessionflow-worker:$(IMAGE_TAG) .; \
+	  $(DOCKER) build -f Dockerfile.operator -t $(IMAGE_REGISTRY)/sessionflow-operator:$(IMAGE_TAG) .; \
+	else \
+	  echo "images: no Docker engine available ('$(DOCKER) info' failed): nothing built"; \
+	fi
+
+## chart-check: offline checks of charts/sessionflow (helm lint --strict, helm template |
+## kubernetes-validate, CRD copy, dashboard JSON); installs helm 4 and kubernetes-validate
+## under ~/.cache/sessionflow on first use
+chart-check:
+	scripts/chart-check.sh

@@ -375,12 +375,17 @@ impl Drop for Inside<'_> {
 
 /// The worker binary built next to the test binary.
 pub fn worker_binary() -> PathBuf {
+    workspace_binary("sessionflow-worker")
+}
+
+/// A binary of the workspace, built next to the test binary.
+pub fn workspace_binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
     let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
-    let bin = dir.join("sessionflow-worker");
+    let bin = dir.join(name);
     assert!(
         bin.exists(),
-        "{} not found: build it first (`cargo build -p sessionflow-worker`; `make test` does)",
+        "{} not found: build it first (`cargo build --workspace`; `make test` does)",
         bin.display()
     );
     bin

@@ -93,8 +93,34 @@ pub enum SessionSource {
     Header { name: String },
 }
 
+/// Written by hand: a derived schema of an internally tagged enum repeats the tag in every
+/// variant, which a Kubernetes structural schema cannot express.
+#[cfg(feature = "schema")]
+impl schemars::JsonSchema for SessionSource {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "SessionSource".into()
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "description": "Where a record's session id is read from: the record key (`from: key`) or a header (`from: header`, `name: <header>`).",
+            "type": "object",
+            "properties": {
+                "from": { "type": "string", "enum": ["key", "header"] },
+                "name": { "type": "string", "minLength": 1 }
+            },
+            "required": ["from"],
+            "x-kubernetes-validations": [{
+                "rule": "self.from == 'header' ? has(self.name) : !has(self.name)",
+                "message": "session.name is required with from: header, and only then"
+            }]
+        })
+    }
+}
+
 /// The stage's handler: exactly one of `http` or `builtin`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub enum HandlerConfig {
     Http(HttpHandlerConfig),
@@ -102,22 +128,28 @@ pub enum HandlerConfig {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct HttpHandlerConfig {
+    #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
     pub url: String,
     #[serde(default = "defaults::http_timeout_ms")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
     pub timeout_ms: u64,
 }
 
 /// Pass-through with deterministic fault injection.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct BuiltinHandlerConfig {
     /// Fraction of attempts that fail transiently, in [0, 1).
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(range(min = 0.0, max = 1.0)))]
     pub transient_rate: f64,
     /// Fraction of records that are poison, in [0, 1].
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(range(min = 0.0, max = 1.0)))]
     pub poison_rate: f64,
     /// Simulated work per attempt.
     #[serde(default)]
@@ -128,13 +160,17 @@ pub struct BuiltinHandlerConfig {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RetryConfig {
     #[serde(default = "defaults::initial_backoff_ms")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
     pub initial_backoff_ms: u64,
     #[serde(default = "defaults::max_backoff_ms")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
     pub max_backoff_ms: u64,
     #[serde(default = "defaults::multiplier")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1.0)))]
     pub multiplier: f64,
     /// Attempts per record, the first included; 0 retries transient errors forever.
     #[serde(default)]
@@ -154,9 +190,11 @@ impl Default for RetryConfig {
 
 /// `stuck:` — the per-record handler timeout (from the first attempt, across retries).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct StuckConfig {
     #[serde(default = "defaults::stuck_timeout_ms")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
     pub timeout_ms: u64,
     #[serde(default)]
     pub action: StuckActionConfig,
@@ -173,6 +211,7 @@ impl Default for StuckConfig {
 
 /// `stuck.action`: `log` reports and keeps waiting; `dlq` cancels and dead-letters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub enum StuckActionConfig {
     #[default]
@@ -194,6 +233,7 @@ impl From<StuckConfig> for StuckPolicy {
 
 /// `rebalance:` — the group protocol and how long a revoked partition may drain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RebalanceConfig {
     #[serde(default)]
@@ -201,6 +241,7 @@ pub struct RebalanceConfig {
     /// Longest wait for a revoked partition's in-flight records before its final commit; keep
     /// it below the group's session timeout.
     #[serde(default = "defaults::drain_timeout_ms")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
     pub drain_timeout_ms: u64,
 }
 
@@ -215,6 +256,7 @@ impl Default for RebalanceConfig {
 
 /// `rebalance.strategy`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "kebab-case")]
 pub enum RebalanceStrategy {
     /// Incremental: only the partitions that move are revoked (cooperative-sticky).
@@ -438,6 +480,20 @@ impl StageConfig {
         Ok(())
     }
 
+    /// Adds SASL credentials found in the environment ([`SASL_USERNAME_ENV`],
+    /// [`SASL_PASSWORD_ENV`]) to the librdkafka properties. On Kubernetes the operator fills
+    /// those variables from a Secret, so credentials never sit in the config file.
+    pub fn add_credentials(&mut self, lookup: impl Fn(&str) -> Option<String>) {
+        for (env, key) in [
+            (SASL_USERNAME_ENV, "sasl.username"),
+            (SASL_PASSWORD_ENV, "sasl.password"),
+        ] {
+            if let Some(value) = lookup(env) {
+                self.kafka.insert(key.to_string(), value);
+            }
+        }
+    }
+
     /// The consumer group: `group`, or `sessionflow-<stage>`.
     pub fn group_id(&self) -> String {
         self.group
@@ -453,6 +509,11 @@ impl StageConfig {
         self.stuck.into()
     }
 }
+
+/// Environment variable holding the SASL user name (`sasl.username`).
+pub const SASL_USERNAME_ENV: &str = "SESSIONFLOW_SASL_USERNAME";
+/// Environment variable holding the SASL password (`sasl.password`).
+pub const SASL_PASSWORD_ENV: &str = "SESSIONFLOW_SASL_PASSWORD";
 
 /// librdkafka properties whose value the engine's guarantees depend on.
 pub const OWNED_KAFKA_KEYS: &[&str] = &[
@@ -485,6 +546,21 @@ handler:
         assert_eq!(c.dispatchers, 8);
         assert_eq!(c.retry.max_attempts, 0);
         assert_eq!(c.output, None);
+    }
+
+    #[test]
+    fn credentials_come_from_the_environment() {
+        let mut c = StageConfig::from_yaml(MINIMAL).unwrap();
+        c.add_credentials(|name| match name {
+            SASL_USERNAME_ENV => Some("svc".into()),
+            SASL_PASSWORD_ENV => Some("s3cret".into()),
+            _ => None,
+        });
+        assert_eq!(c.kafka["sasl.username"], "svc");
+        assert_eq!(c.kafka["sasl.password"], "s3cret");
+        let mut none = StageConfig::from_yaml(MINIMAL).unwrap();
+        none.add_credentials(|_| None);
+        assert!(none.kafka.is_empty());
     }
 
     #[test]

@@ -4,12 +4,20 @@
 //! partition is paused for backpressure (a paused consumer fetches nothing, yet its lag grows).
 //! A partition without a committed offset counts from its low watermark: with
 //! `auto.offset.reset=earliest` that is where the group will start.
+//!
+//! Lag counts every record above the committed watermark, but a worker finishes records out of
+//! order across sessions, and the completed-offset map in its commit metadata says which ones
+//! above the watermark are already done. *Effective lag* subtracts those: it is the work that
+//! is really left, and what the operator scales on. Brokers that drop commit metadata (nisshi)
+//! make the two equal.
 
 use std::time::Duration;
 
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Offset, TopicPartitionList};
+
+use crate::offset_map;
 
 /// Lag of one partition.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,6 +27,9 @@ pub struct PartitionLag {
     pub high: i64,
     /// `None` when the group has committed nothing for the partition.
     pub committed: Option<i64>,
+    /// Records above the committed watermark (and below `high`) that the commit metadata's
+    /// completed-offset map says are done; 0 without a map.
+    pub done_above: i64,
 }
 
 impl PartitionLag {
@@ -27,11 +38,29 @@ impl PartitionLag {
         let from = self.committed.unwrap_or(self.low).max(self.low);
         (self.high - from).max(0)
     }
+
+    /// Records not yet done: [`lag`](Self::lag) minus those the completed-offset map marks done.
+    pub fn effective_lag(&self) -> i64 {
+        (self.lag() - self.done_above).max(0)
+    }
 }
 
 /// Total lag over partitions.
 pub fn total(lags: &[PartitionLag]) -> i64 {
     lags.iter().map(PartitionLag::lag).sum()
+}
+
+/// Total effective lag over partitions.
+pub fn total_effective(lags: &[PartitionLag]) -> i64 {
+    lags.iter().map(PartitionLag::effective_lag).sum()
+}
+
+/// Done offsets in `[committed, high)` per a commit's metadata; 0 for empty or foreign metadata.
+fn done_above(committed: i64, high: i64, metadata: &str) -> i64 {
+    match offset_map::decode(committed, metadata) {
+        Ok(map) => map.count_below(high) as i64,
+        Err(_) => 0,
+    }
 }
 
 /// Reads the lag of `group` on every partition of `topic`, without joining the group.
@@ -72,17 +101,21 @@ pub fn read_with(
         .iter()
         .map(|p| {
             let (low, high) = consumer.fetch_watermarks(topic, *p, timeout)?;
-            let committed = committed
-                .find_partition(topic, *p)
-                .and_then(|e| match e.offset() {
-                    Offset::Offset(o) => Some(o),
-                    _ => None,
-                });
+            let entry = committed.find_partition(topic, *p);
+            let committed = entry.as_ref().and_then(|e| match e.offset() {
+                Offset::Offset(o) => Some(o),
+                _ => None,
+            });
+            let done_above = match (committed, &entry) {
+                (Some(c), Some(e)) => done_above(c, high, e.metadata()),
+                _ => 0,
+            };
             Ok(PartitionLag {
                 partition: *p,
                 low,
                 high,
                 committed,
+                done_above,
             })
         })
         .collect()
@@ -167,8 +200,31 @@ mod tests {
             low,
             high,
             committed,
+            done_above: 0,
         }
         .lag()
+    }
+
+    #[test]
+    fn effective_lag_subtracts_what_the_map_marks_done() {
+        // Watermark 10, offsets 10..20 taken in; 11, 12 and 15 unfinished, so 13, 14 and
+        // 16..19 are done above the watermark (10 itself is unfinished too).
+        let metadata = offset_map::encode(10, 20, [10, 11, 12, 15]).unwrap();
+        assert_eq!(done_above(10, 20, &metadata), 6);
+        // Only what lies below the high watermark counts.
+        assert_eq!(done_above(10, 17, &metadata), 3);
+        let p = PartitionLag {
+            partition: 0,
+            low: 0,
+            high: 20,
+            committed: Some(10),
+            done_above: done_above(10, 20, &metadata),
+        };
+        assert_eq!((p.lag(), p.effective_lag()), (10, 4));
+        // No map, someone else's metadata, or a corrupt one: effective lag is plain lag.
+        assert_eq!(done_above(10, 20, ""), 0);
+        assert_eq!(done_above(10, 20, "checkpoint-7"), 0);
+        assert_eq!(done_above(10, 20, "sf1b!!"), 0);
     }
 
     #[test]

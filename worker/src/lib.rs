@@ -11,6 +11,7 @@
 pub mod backpressure;
 pub mod completion;
 pub mod config;
+pub mod demo;
 pub mod dispatcher;
 pub mod dlq;
 pub mod handler;

@@ -42,6 +42,8 @@ pub struct LoadgenOptions {
     /// Session ids are `<prefix><number>`.
     pub session_prefix: String,
     pub progress: bool,
+    /// Records per second; `None` produces as fast as the broker takes them.
+    pub rate: Option<f64>,
     pub kafka: Vec<(String, String)>,
 }
 
@@ -57,6 +59,7 @@ impl LoadgenOptions {
             value_size: 64,
             session_prefix: "session-".into(),
             progress: false,
+            rate: None,
             kafka: vec![],
         }
     }
@@ -120,7 +123,12 @@ pub async fn run(opts: &LoadgenOptions) -> anyhow::Result<LoadgenReport> {
     let started = Instant::now();
     let mut acks = FuturesUnordered::new();
     let mut failed = 0u64;
-    for s in order {
+    let pace = opts.rate.filter(|r| *r > 0.0 && r.is_finite());
+    for (i, s) in order.into_iter().enumerate() {
+        if let Some(rate) = pace {
+            let due = started + Duration::from_secs_f64(i as f64 / rate);
+            tokio::time::sleep_until(due.into()).await;
+        }
         seqs[s as usize] += 1;
         let seq = seqs[s as usize].to_string();
         let session = format!("{}{s:06}", opts.session_prefix);

@@ -10,6 +10,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
+use sessionflow_worker::demo::{self, DemoOptions};
 use sessionflow_worker::handler::ConfiguredHandler;
 use sessionflow_worker::lag;
 use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
@@ -93,6 +94,32 @@ enum Command {
         /// Wait until the total lag is 0 (exit 1 if it is not within --timeout-secs).
         #[arg(long)]
         wait_zero: bool,
+        #[arg(long, default_value_t = 600)]
+        timeout_secs: u64,
+    },
+    /// Run the demo pipeline (ingest → nlu → llm → delivery), one worker process per stage,
+    /// on an embedded broker unless --brokers is given; verified at the end (exit 1 if not OK).
+    Demo {
+        /// A real broker instead of the embedded one (librdkafka's mock cluster).
+        #[arg(long)]
+        brokers: Option<String>,
+        /// The stage configs (one YAML per stage; chained by their topics).
+        #[arg(long, default_value = "examples/demo")]
+        config_dir: PathBuf,
+        #[arg(long, default_value_t = 120_000)]
+        records: u64,
+        #[arg(long, default_value_t = 1_000)]
+        sessions: u64,
+        /// Records per second produced; 0 produces as fast as the broker takes them.
+        #[arg(long, default_value_t = 2_000.0)]
+        rate: f64,
+        /// Partitions of every topic.
+        #[arg(long, default_value_t = 8)]
+        partitions: i32,
+        /// Where generated stage configs and stage logs go (a directory per run).
+        #[arg(long, default_value = ".local/demo")]
+        state_dir: PathBuf,
+        /// Longest wait for the pipeline to finish once the load has started.
         #[arg(long, default_value_t = 600)]
         timeout_secs: u64,
     },
@@ -205,6 +232,37 @@ async fn dispatch(command: Command, log_format: LogFormat) -> ExitCode {
                 Err(e) => report(Err(e.into())),
             }
         }
+        Command::Demo {
+            brokers,
+            config_dir,
+            records,
+            sessions,
+            rate,
+            partitions,
+            state_dir,
+            timeout_secs,
+        } => {
+            let exe = match std::env::current_exe() {
+                Ok(exe) => exe,
+                Err(e) => return report(Err(e.into())),
+            };
+            let opts = DemoOptions {
+                brokers,
+                config_dir,
+                records,
+                sessions,
+                rate,
+                partitions,
+                state_dir,
+                timeout: Duration::from_secs(timeout_secs),
+                exe,
+            };
+            match demo::run(&opts).await {
+                Ok(true) => ExitCode::SUCCESS,
+                Ok(false) => ExitCode::FAILURE,
+                Err(e) => report(Err(e)),
+            }
+        }
         Command::CreateTopics {
             brokers,
             partitions,
@@ -267,6 +325,7 @@ fn load_config(path: &std::path::Path, brokers: Option<&str>) -> anyhow::Result<
     if let Some(b) = brokers {
         config.brokers = b.to_string();
     }
+    config.add_credentials(|name| std::env::var(name).ok());
     config.validate()?;
     Ok(config)
 }

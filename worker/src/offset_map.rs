@@ -65,6 +65,12 @@ impl DoneAbove {
     pub fn count(&self) -> usize {
         self.done.iter().filter(|d| **d).count()
     }
+
+    /// How many offsets below `end` are known to be done.
+    pub fn count_below(&self, end: Offset) -> usize {
+        let len = usize::try_from(end - self.watermark).unwrap_or(0);
+        self.done.iter().take(len).filter(|d| **d).count()
+    }
 }
 
 /// Encodes the map for a partition whose watermark is `watermark`, whose highest offset taken

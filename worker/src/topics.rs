@@ -17,21 +17,54 @@ fn admin(brokers: &str) -> anyhow::Result<AdminClient<DefaultClientContext>> {
         .create()?)
 }
 
+/// A topic to create: name, partitions, replication factor (-1: the broker's default).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TopicRequest {
+    pub name: String,
+    pub partitions: i32,
+    pub replication: i32,
+}
+
 /// Creates each topic with `partitions` partitions unless it already exists.
 pub async fn create(brokers: &str, topics: &[&str], partitions: i32) -> anyhow::Result<()> {
-    let admin = admin(brokers)?;
-    let new: Vec<NewTopic<'_>> = topics
+    let requests: Vec<TopicRequest> = topics
         .iter()
-        .map(|t| NewTopic::new(t, partitions, TopicReplication::Fixed(1)))
+        .map(|t| TopicRequest {
+            name: t.to_string(),
+            partitions,
+            replication: 1,
+        })
+        .collect();
+    create_missing(&admin(brokers)?, &requests).await?;
+    Ok(())
+}
+
+/// Creates the requested topics that do not exist yet, through `admin` (whose configuration
+/// carries any credentials); returns the names of those it created.
+pub async fn create_missing(
+    admin: &AdminClient<DefaultClientContext>,
+    requests: &[TopicRequest],
+) -> anyhow::Result<Vec<String>> {
+    let new: Vec<NewTopic<'_>> = requests
+        .iter()
+        .map(|t| {
+            NewTopic::new(
+                &t.name,
+                t.partitions,
+                TopicReplication::Fixed(t.replication),
+            )
+        })
         .collect();
     let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(20)));
+    let mut created = Vec::new();
     for result in admin.create_topics(&new, &opts).await? {
         match result {
-            Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Ok(topic) => created.push(topic),
+            Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
             Err((topic, code)) => anyhow::bail!("creating topic {topic}: {code}"),
         }
     }
-    Ok(())
+    Ok(created)
 }
 
 /// Deletes the topics; missing ones are ignored.

@@ -29,6 +29,9 @@ pub struct SeqRecord {
     /// All headers, for callers that check more (DLQ reasons, event ids).
     pub headers: Vec<(String, String)>,
     pub value: Vec<u8>,
+    /// The record's timestamp (ms since the epoch; create time unless the topic uses
+    /// log-append time), when it has one.
+    pub timestamp_ms: Option<i64>,
 }
 
 impl SeqRecord {
@@ -125,6 +128,7 @@ pub fn read_topic(
                     seq,
                     headers,
                     value: m.payload().unwrap_or_default().to_vec(),
+                    timestamp_ms: m.timestamp().to_millis(),
                 });
         }
         if m.offset() + 1 >= high {

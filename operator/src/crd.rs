@@ -1,0 +1,485 @@
+//! The `SessionPipeline` custom resource (`sessionpipelines.sessionflow.io/v1alpha1`).
+//!
+//! One resource declares a whole pipeline: the Kafka cluster, its topics, and the ordered
+//! stages, each becoming one autoscaled worker Deployment. A stage's worker settings use the
+//! worker config's own types and camelCase names (`retry`, `stuck`, `handler`, …), so what a
+//! user writes here is what the worker reads, and the CRD schema is generated from the same
+//! definitions. The CRD enforces what it can (OpenAPI bounds and CEL rules, each with a message
+//! that names the field); [`crate::render`] re-checks everything a worker would refuse, so a
+//! resource that slipped past an older CRD still ends as `Degraded`, not as a crash loop.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::ResourceRequirements;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::{CustomResource, CustomResourceExt, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use sessionflow_worker::config::{
+    HandlerConfig, RebalanceConfig, RetryConfig, SessionSource, StuckConfig,
+};
+
+/// The CRD's resource name.
+pub const CRD_NAME: &str = "sessionpipelines.sessionflow.io";
+
+/// A session-ordered Kafka pipeline: ordered stages, each run by autoscaled workers.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "sessionflow.io",
+    version = "v1alpha1",
+    kind = "SessionPipeline",
+    plural = "sessionpipelines",
+    shortname = "sp",
+    namespaced,
+    status = "SessionPipelineStatus",
+    doc = "A session-ordered Kafka pipeline: ordered stages, each run by autoscaled workers.",
+    printcolumn(
+        name = "Ready",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].status"
+    ),
+    printcolumn(name = "Stages", type_ = "string", json_path = ".status.stagesReady"),
+    printcolumn(name = "Lag", type_ = "integer", json_path = ".status.lag"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    validation = Rule::new(
+        "self.spec.stages.all(s, size(self.metadata.name) + size(s.name) <= 54)"
+    )
+    .message("metadata.name and a stage name together must not exceed 54 characters (object names are <pipeline>-<stage>-metrics, at most 63)")
+)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new("self.stages.all(s, self.stages.exists_one(t, t.name == s.name))")
+        .message("stage names must be unique")
+        .field_path(".stages"),
+    validation = Rule::new(
+        "self.stages.all(s, self.topics.declared.exists(t, t.name == s.input) && (!has(s.output) || self.topics.declared.exists(t, t.name == s.output)))"
+    )
+    .message("every stage's input and output topic must be listed in topics.declared")
+    .field_path(".stages"),
+    validation = Rule::new("self.topics.declared.exists(t, t.name == self.topics.dlq)")
+        .message("topics.dlq must be listed in topics.declared")
+        .field_path(".topics.dlq"),
+    validation = Rule::new(
+        "self.stages.all(s, s.input != self.topics.dlq && (!has(s.output) || s.output != self.topics.dlq))"
+    )
+    .message("the DLQ topic cannot be a stage's input or output")
+    .field_path(".topics.dlq")
+)]
+pub struct SessionPipelineSpec {
+    /// The Kafka cluster the pipeline runs on.
+    pub kafka: KafkaSpec,
+    /// The pipeline's topics.
+    pub topics: TopicsSpec,
+    /// The stages, in pipeline order.
+    #[schemars(length(min = 1, max = 32))]
+    pub stages: Vec<StageSpec>,
+    /// Worker image for stages that set none; defaults to the operator's `--worker-image`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker_image: Option<String>,
+    /// Where records' session ids come from, for every stage (default: the record key).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<SessionSource>,
+    /// Retry policy for every stage that sets none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry: Option<RetryConfig>,
+    /// Stuck-record policy for every stage that sets none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stuck: Option<StuckConfig>,
+    /// How often workers commit, for every stage that sets none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub commit_interval_ms: Option<u64>,
+    /// How long a stopping worker waits for in-flight records, for every stage that sets none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub shutdown_timeout_ms: Option<u64>,
+}
+
+/// Connection to the Kafka cluster. Credentials come from Secrets only.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct KafkaSpec {
+    /// `host:port[,host:port…]`.
+    #[schemars(length(min = 1))]
+    pub bootstrap_servers: String,
+    /// Extra librdkafka properties for every client of the pipeline.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[x_kube(
+        validation = Rule::new(
+            "self.all(k, !(k in ['bootstrap.servers', 'group.id', 'enable.auto.commit', 'enable.auto.offset.store', 'enable.idempotence', 'partition.assignment.strategy', 'security.protocol']))"
+        )
+        .message("this property is set by sessionflow (bootstrap servers, group, commits, idempotence, assignment and security protocol come from the spec)"),
+        validation = Rule::new(
+            "self.all(k, !(k in ['sasl.username', 'sasl.password', 'ssl.key.pem', 'ssl.key.password', 'ssl.certificate.pem', 'ssl.ca.pem', 'sasl.oauthbearer.client.secret']))"
+        )
+        .message("credentials must not be inline: reference a Secret with kafka.sasl or kafka.tls")
+    )]
+    pub properties: BTreeMap<String, String>,
+    /// SASL authentication; the user name and password are read from a Secret.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sasl: Option<SaslSpec>,
+    /// TLS; the CA (and a client certificate for mutual TLS) are read from a Secret.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<TlsSpec>,
+}
+
+/// SASL credentials by Secret reference.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct SaslSpec {
+    pub mechanism: SaslMechanism,
+    /// Secret in the pipeline's namespace.
+    #[schemars(length(min = 1))]
+    pub secret_name: String,
+    #[serde(default = "defaults::username_key")]
+    pub username_key: String,
+    #[serde(default = "defaults::password_key")]
+    pub password_key: String,
+}
+
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SaslMechanism {
+    #[serde(rename = "PLAIN")]
+    Plain,
+    #[serde(rename = "SCRAM-SHA-256")]
+    ScramSha256,
+    #[serde(rename = "SCRAM-SHA-512")]
+    ScramSha512,
+}
+
+impl SaslMechanism {
+    /// librdkafka's `sasl.mechanisms` value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Plain => "PLAIN",
+            Self::ScramSha256 => "SCRAM-SHA-256",
+            Self::ScramSha512 => "SCRAM-SHA-512",
+        }
+    }
+}
+
+/// TLS material by Secret reference (PEM entries).
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new("has(self.certKey) == has(self.keyKey)")
+        .message("tls.certKey and tls.keyKey go together (mutual TLS needs both)")
+)]
+pub struct TlsSpec {
+    /// Secret in the pipeline's namespace.
+    #[schemars(length(min = 1))]
+    pub secret_name: String,
+    /// Entry holding the CA certificate that signed the brokers' certificates.
+    #[serde(default = "defaults::ca_key")]
+    pub ca_key: String,
+    /// Entry holding the client certificate, for mutual TLS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cert_key: Option<String>,
+    /// Entry holding the client private key, for mutual TLS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_key: Option<String>,
+}
+
+/// The pipeline's topics. Topics are never deleted by the operator.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct TopicsSpec {
+    /// Create declared topics that do not exist yet (existing ones are left as they are).
+    #[serde(default)]
+    pub create: bool,
+    /// Dead-letter topic shared by the stages.
+    #[schemars(length(min = 1, max = 249))]
+    pub dlq: String,
+    /// Every topic the pipeline reads or writes, the DLQ included.
+    #[schemars(length(min = 1, max = 64))]
+    pub declared: Vec<TopicSpec>,
+}
+
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct TopicSpec {
+    #[schemars(length(min = 1, max = 249), regex(pattern = r"^[a-zA-Z0-9._-]+$"))]
+    pub name: String,
+    #[schemars(range(min = 1))]
+    pub partitions: i32,
+    /// Replication factor when the operator creates the topic; the broker's default otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub replication_factor: Option<i32>,
+}
+
+/// One stage: a consumer group of workers reading `input` and writing `output`.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new("!has(self.output) || self.output != self.input")
+        .message("a stage's output must not be its own input")
+        .field_path(".output")
+)]
+pub struct StageSpec {
+    /// DNS label; names the Deployment `<pipeline>-<stage>`.
+    #[schemars(
+        length(min = 1, max = 40),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    )]
+    pub name: String,
+    /// Topic the stage consumes.
+    #[schemars(length(min = 1, max = 249))]
+    pub input: String,
+    /// Topic the stage produces to; none for the last stage.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 249))]
+    pub output: Option<String>,
+    /// What processes a record: `http: {url, timeoutMs}` or `builtin: {…}` (pass-through with
+    /// fault injection, for trials).
+    pub handler: HandlerConfig,
+    /// Worker image for this stage.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// CPU and memory of each worker pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+    /// Bounds of the autoscaler.
+    #[serde(default)]
+    pub replicas: ReplicasSpec,
+    /// How the replica count follows the lag.
+    #[serde(default)]
+    pub autoscaling: AutoscalingSpec,
+    /// Overrides `spec.session`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<SessionSource>,
+    /// Overrides `spec.retry`: in-place retries of transient failures.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry: Option<RetryConfig>,
+    /// Overrides `spec.stuck`: what happens to a record not done in time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stuck: Option<StuckConfig>,
+    /// Group protocol (`cooperative` or `eager`) and drain timeout on revocation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rebalance: Option<RebalanceConfig>,
+    /// Overrides `spec.commitIntervalMs`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub commit_interval_ms: Option<u64>,
+    /// Overrides `spec.shutdownTimeoutMs`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub shutdown_timeout_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Dispatcher tasks per worker that sessions are hashed onto (worker default 8).
+    #[schemars(range(min = 1, max = 1024))]
+    pub dispatchers: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Records a dispatcher queues before its partitions are paused (worker default 1024).
+    #[schemars(range(min = 1))]
+    pub dispatcher_capacity: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// An idle session task is removed after this long.
+    #[schemars(range(min = 1))]
+    pub session_idle_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Records between a partition's committed watermark and its newest record taken in;
+    /// beyond it the partition is paused. Bounds memory and replay after a crash.
+    #[schemars(range(min = 1))]
+    pub max_in_flight_per_partition: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// How often workers report their partitions' lag as a metric.
+    #[schemars(range(min = 1))]
+    pub lag_interval_ms: Option<u64>,
+    /// OTLP/HTTP traces endpoint of the stage's workers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub otlp_endpoint: Option<String>,
+}
+
+/// Bounds of a stage's replica count.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new("self.min <= self.max").message("replicas.min must not exceed replicas.max")
+)]
+pub struct ReplicasSpec {
+    /// 0 lets an idle stage scale to zero (lag is read from Kafka, not from the workers).
+    #[serde(default = "defaults::min_replicas")]
+    #[schemars(range(min = 0, max = 1000))]
+    pub min: i32,
+    /// Replicas beyond the input's partition count would idle, so the partition count also caps.
+    #[serde(default = "defaults::max_replicas")]
+    #[schemars(range(min = 1, max = 1000))]
+    pub max: i32,
+}
+
+impl Default for ReplicasSpec {
+    fn default() -> Self {
+        Self {
+            min: defaults::min_replicas(),
+            max: defaults::max_replicas(),
+        }
+    }
+}
+
+/// How the stage follows its lag.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct AutoscalingSpec {
+    /// Records of effective lag one replica is expected to absorb.
+    #[serde(default = "defaults::lag_per_replica")]
+    #[schemars(range(min = 1))]
+    pub lag_per_replica: i64,
+    /// A scale-down happens only once every recommendation in this window is lower.
+    #[serde(default = "defaults::scale_down_stabilization_secs")]
+    #[schemars(range(min = 0, max = 86400))]
+    pub scale_down_stabilization_secs: u32,
+}
+
+impl Default for AutoscalingSpec {
+    fn default() -> Self {
+        Self {
+            lag_per_replica: defaults::lag_per_replica(),
+            scale_down_stabilization_secs: defaults::scale_down_stabilization_secs(),
+        }
+    }
+}
+
+/// What the operator observed. The reconciler writes `observedGeneration`, `conditions` and
+/// `stagesReady`; the autoscaler writes `stages` and `lag`.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct SessionPipelineStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// `Ready`, `Progressing`, `Degraded`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+    /// Ready stages over all stages, e.g. `3/4`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stages_ready: Option<String>,
+    /// Total effective lag over the stages.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lag: Option<i64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stages: Vec<StageStatus>,
+}
+
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct StageStatus {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub desired_replicas: Option<i32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_replicas: Option<i32>,
+    /// Records above the group's committed offsets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lag: Option<i64>,
+    /// Records not yet done (lag minus those the completed-offset map marks done).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub effective_lag: Option<i64>,
+    /// Partitions of the stage's input topic.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partitions: Option<i32>,
+    /// Partitions paused for backpressure, when known (workers export it as a metric; Kafka
+    /// does not tell).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused_partitions: Option<i32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_scale_time: Option<Time>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_scale_reason: Option<String>,
+}
+
+/// The CRD as YAML, as `sessionflow-operator crd` prints it and `crds/` holds it.
+pub fn crd_yaml() -> String {
+    let crd = SessionPipeline::crd();
+    let mut yaml = serde_saphyr::to_string(&crd).expect("the CRD serializes");
+    if !yaml.ends_with('\n') {
+        yaml.push('\n');
+    }
+    yaml
+}
+
+mod defaults {
+    pub fn username_key() -> String {
+        "username".into()
+    }
+    pub fn password_key() -> String {
+        "password".into()
+    }
+    pub fn ca_key() -> String {
+        "ca.crt".into()
+    }
+    pub fn min_replicas() -> i32 {
+        1
+    }
+    pub fn max_replicas() -> i32 {
+        1
+    }
+    pub fn lag_per_replica() -> i64 {
+        1_000
+    }
+    pub fn scale_down_stabilization_secs() -> u32 {
+        300
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_checked_in_crd_is_what_the_binary_prints() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../crds/sessionpipeline.yaml");
+        let checked_in = std::fs::read_to_string(path).expect("crds/sessionpipeline.yaml exists");
+        assert!(
+            checked_in == crd_yaml(),
+            "crds/sessionpipeline.yaml is stale: regenerate it with \
+             `cargo run -p sessionflow-operator -- crd > crds/sessionpipeline.yaml`"
+        );
+    }
+
+    #[test]
+    fn crd_names_and_columns() {
+        let crd = SessionPipeline::crd();
+        assert_eq!(crd.metadata.name.as_deref(), Some(CRD_NAME));
+        assert_eq!(crd.spec.names.short_names, Some(vec!["sp".to_string()]));
+        let version = &crd.spec.versions[0];
+        assert!(version.subresources.as_ref().unwrap().status.is_some());
+        let columns: Vec<&str> = version
+            .additional_printer_columns
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|c| c.name.as_str())
+            .collect();
+        assert_eq!(columns, ["Ready", "Stages", "Lag", "Age"]);
+    }
+
+    #[test]
+    fn every_rule_has_a_message() {
+        let json = serde_json::to_value(SessionPipeline::crd()).unwrap();
+        let mut rules = Vec::new();
+        collect_rules(&json, &mut rules);
+        assert!(rules.len() >= 8, "found only {} rules", rules.len());
+        for rule in rules {
+            assert!(
+                rule.get("message").and_then(|m| m.as_str()).is_some(),
+                "rule without message: {rule}"
+            );
+        }
+    }
+
+    fn collect_rules<'a>(v: &'a serde_json::Value, out: &mut Vec<&'a serde_json::Value>) {
+        match v {
+            serde_json::Value::Object(map) => {
+                for (k, v) in map {
+                    if k == "x-kubernetes-validations" {
+                        out.extend(v.as_array().unwrap());
+                    } else {
+                        collect_rules(v, out);
+                    }
+                }
+            }
+            serde_json::Value::Array(items) => items.iter().for_each(|i| collect_rules(i, out)),
+            _ => {}
+        }
+    }
+}

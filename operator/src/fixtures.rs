@@ -1,0 +1,249 @@
+//! Test fixtures: sample pipelines and a scripted stand-in for the Kubernetes API server
+//! (kube-rs's ApiServerVerifier pattern, as in controller-rs).
+//!
+//! The client under test talks to a `tower_test` mock service; the test answers each request
+//! in turn, checking method and path, and sees the request body. A request the script does not
+//! expect fails the test with its method and path.
+
+use std::time::Duration;
+
+use http::{Method, Request, Response};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::client::Body;
+use kube::Client;
+use serde_json::{json, Value};
+use sessionflow_worker::config::{BuiltinHandlerConfig, HandlerConfig};
+
+use crate::crd::{
+    AutoscalingSpec, KafkaSpec, ReplicasSpec, SessionPipeline, SessionPipelineSpec, StageSpec,
+    TopicSpec, TopicsSpec,
+};
+
+pub const NAMESPACE: &str = "shop";
+pub const PIPELINE: &str = "chat";
+pub const UID: &str = "6f1c2a40-0000-4000-8000-000000000001";
+
+/// A pipeline `chat` in namespace `shop` whose stages are chained: stage i reads `t{i}` and
+/// writes `t{i+1}`.
+pub fn pipeline(stages: &[&str]) -> SessionPipeline {
+    let mut declared: Vec<TopicSpec> = (0..=stages.len())
+        .map(|i| TopicSpec {
+            name: format!("t{i}"),
+            partitions: 8,
+            replication_factor: None,
+        })
+        .collect();
+    declared.push(TopicSpec {
+        name: "dlq".into(),
+        partitions: 1,
+        replication_factor: None,
+    });
+    let stages = stages
+        .iter()
+        .enumerate()
+        .map(|(i, name)| stage(name, &format!("t{i}"), Some(&format!("t{}", i + 1))))
+        .collect();
+    let mut sp = SessionPipeline::new(
+        PIPELINE,
+        SessionPipelineSpec {
+            kafka: KafkaSpec {
+                bootstrap_servers: "kafka:9092".into(),
+                properties: Default::default(),
+                sasl: None,
+                tls: None,
+            },
+            topics: TopicsSpec {
+                create: false,
+                dlq: "dlq".into(),
+                declared,
+            },
+            stages,
+            worker_image: None,
+            session: None,
+            retry: None,
+            stuck: None,
+            commit_interval_ms: None,
+            shutdown_timeout_ms: None,
+        },
+    );
+    sp.metadata = ObjectMeta {
+        name: Some(PIPELINE.into()),
+        namespace: Some(NAMESPACE.into()),
+        uid: Some(UID.into()),
+        generation: Some(1),
+        ..ObjectMeta::default()
+    };
+    sp
+}
+
+pub fn stage(name: &str, input: &str, output: Option<&str>) -> StageSpec {
+    StageSpec {
+        name: name.into(),
+        input: input.into(),
+        output: output.map(Into::into),
+        handler: HandlerConfig::Builtin(BuiltinHandlerConfig::default()),
+        image: None,
+        resources: None,
+        replicas: ReplicasSpec::default(),
+        autoscaling: AutoscalingSpec::default(),
+        session: None,
+        retry: None,
+        stuck: None,
+        rebalance: None,
+        commit_interval_ms: None,
+        shutdown_timeout_ms: None,
+        dispatchers: None,
+        dispatcher_capacity: None,
+        session_idle_ms: None,
+        max_in_flight_per_partition: None,
+        lag_interval_ms: None,
+        otlp_endpoint: None,
+    }
+}
+
+/// One request as the API server saw it.
+#[derive(Debug)]
+pub struct Seen {
+    pub method: Method,
+    /// Path and query, e.g. `/api/v1/namespaces/shop/configmaps?&labelSelector=…`.
+    pub uri: String,
+    pub body: Value,
+}
+
+impl Seen {
+    pub fn query_has(&self, part: &str) -> bool {
+        self.uri
+            .split_once('?')
+            .is_some_and(|(_, q)| q.contains(part))
+    }
+}
+
+/// The test's side of the mock API server.
+pub struct ApiServer {
+    handle: tower_test::mock::Handle<Request<Body>, Response<Body>>,
+}
+
+/// A client wired to a scripted API server.
+pub fn mock_client() -> (Client, ApiServer) {
+    let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    (Client::new(service, NAMESPACE), ApiServer { handle })
+}
+
+impl ApiServer {
+    /// Waits (≤ 5 s) for the next request, checks its method and that its path (before `?`)
+    /// is `path`, and answers `reply` (JSON, status 200); returns the request.
+    pub async fn expect(
+        &mut self,
+        method: Method,
+        path: &str,
+        reply: impl FnOnce(&Seen) -> Value,
+    ) -> Seen {
+        let (request, respond) = self.next().await.unwrap_or_else(|| {
+            panic!("expected {method} {path}, but the client sent nothing more")
+        });
+        let seen_req = seen_parts(request).await;
+        assert_eq!(
+            (&seen_req.method, seen_req.uri.split('?').next().unwrap()),
+            (&method, path),
+            "unexpected request (body {})",
+            seen_req.body
+        );
+        let body = serde_json::to_vec(&reply(&seen_req)).unwrap();
+        respond.send_response(
+            Response::builder()
+                .status(200)
+                .body(Body::from(body))
+                .unwrap(),
+        );
+        seen_req
+    }
+
+    /// Answers the next request with an API error of `code`.
+    pub async fn fail(&mut self, method: Method, path: &str, code: u16) -> Seen {
+        let (request, respond) = self.next().await.expect("a request");
+        let seen = seen_parts(request).await;
+        assert_eq!(
+            (&seen.method, seen.uri.split('?').next().unwrap()),
+            (&method, path)
+        );
+        let status = json!({
+            "apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
+            "message": "injected failure", "reason": "InternalError", "code": code,
+        });
+        respond.send_response(
+            Response::builder()
+                .status(code)
+                .body(Body::from(serde_json::to_vec(&status).unwrap()))
+                .unwrap(),
+        );
+        seen
+    }
+
+    /// The next request, if one comes within a short time.
+    async fn next(
+        &mut self,
+    ) -> Option<(
+        Request<Body>,
+        tower_test::mock::SendResponse<Response<Body>>,
+    )> {
+        tokio::time::timeout(Duration::from_secs(5), self.handle.next_request())
+            .await
+            .ok()
+            .flatten()
+    }
+
+    /// Answers every request with `respond` (status 200) until none comes for `quiet`;
+    /// returns what it saw.
+    pub async fn answer_all(
+        mut self,
+        quiet: Duration,
+        respond: impl Fn(&Seen) -> Value,
+    ) -> Vec<Seen> {
+        let mut seen = Vec::new();
+        while let Ok(Some((request, reply))) =
+            tokio::time::timeout(quiet, self.handle.next_request()).await
+        {
+            let s = seen_parts(request).await;
+            let body = serde_json::to_vec(&respond(&s)).unwrap();
+            reply.send_response(
+                Response::builder()
+                    .status(200)
+                    .body(Body::from(body))
+                    .unwrap(),
+            );
+            seen.push(s);
+        }
+        seen
+    }
+
+    /// Fails the test if the client sends anything else within `wait`.
+    pub async fn expect_silence(&mut self, wait: Duration) {
+        if let Ok(Some((request, _))) = tokio::time::timeout(wait, self.handle.next_request()).await
+        {
+            panic!("unexpected request: {} {}", request.method(), request.uri());
+        }
+    }
+}
+
+async fn seen_parts(request: Request<Body>) -> Seen {
+    let method = request.method().clone();
+    let uri = request.uri().to_string();
+    let bytes = request.into_body().collect_bytes().await.unwrap();
+    let body = if bytes.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(&bytes)
+            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()))
+    };
+    Seen { method, uri, body }
+}
+
+/// A list reply of `kind` holding `items`.
+pub fn list(kind: &str, api_version: &str, items: &[Value]) -> Value {
+    json!({
+        "apiVersion": api_version,
+        "kind": format!("{kind}List"),
+        "metadata": { "resourceVersion": "1" },
+        "items": items,
+    })
+}

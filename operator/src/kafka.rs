@@ -1,0 +1,157 @@
+//! The operator's own Kafka clients: topic creation and lag reading, with the pipeline's
+//! credentials.
+//!
+//! Workers get credentials as environment variables and mounted files; the operator reads the
+//! same Secrets through the API and hands the values to librdkafka directly (`sasl.*`,
+//! `ssl.*.pem`). Lag is read without joining the stage's group (committed offsets and
+//! watermarks only), so paused, stalled or absent workers do not change what is measured.
+//! librdkafka calls block, so they run on the blocking pool.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Secret;
+use kube::{Api, Client};
+use rdkafka::admin::AdminClient;
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::BaseConsumer;
+use sessionflow_worker::lag::{self, PartitionLag};
+use sessionflow_worker::topics::{self, TopicRequest};
+
+use crate::crd::{KafkaSpec, TopicsSpec};
+use crate::render::security_properties;
+
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Everything a client of one pipeline needs: bootstrap servers, properties, secrets.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Connection {
+    properties: BTreeMap<String, String>,
+}
+
+impl std::fmt::Debug for Connection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print secrets.
+        f.debug_struct("Connection")
+            .field(
+                "bootstrap.servers",
+                &self.properties.get("bootstrap.servers"),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+/// A Secret or one of its entries is missing.
+#[derive(Debug, thiserror::Error)]
+pub enum CredentialError {
+    #[error("secret {secret}: {source}")]
+    Read {
+        secret: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("secret {secret} has no entry {key:?}")]
+    MissingKey { secret: String, key: String },
+}
+
+impl Connection {
+    /// Reads the Secrets `kafka` refers to in `namespace` and builds the connection.
+    pub async fn resolve(
+        client: &Client,
+        namespace: &str,
+        kafka: &KafkaSpec,
+    ) -> Result<Self, CredentialError> {
+        let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
+        let mut properties = security_properties(kafka);
+        properties.insert("bootstrap.servers".into(), kafka.bootstrap_servers.clone());
+        if let Some(sasl) = &kafka.sasl {
+            let secret = read(&secrets, &sasl.secret_name).await?;
+            properties.insert("sasl.username".into(), entry(&secret, &sasl.username_key)?);
+            properties.insert("sasl.password".into(), entry(&secret, &sasl.password_key)?);
+        }
+        if let Some(tls) = &kafka.tls {
+            let secret = read(&secrets, &tls.secret_name).await?;
+            properties.insert("ssl.ca.pem".into(), entry(&secret, &tls.ca_key)?);
+            if let (Some(cert), Some(key)) = (&tls.cert_key, &tls.key_key) {
+                properties.insert("ssl.certificate.pem".into(), entry(&secret, cert)?);
+                properties.insert("ssl.key.pem".into(), entry(&secret, key)?);
+            }
+        }
+        Ok(Self { properties })
+    }
+
+    /// A plain connection to `bootstrap` (no credentials), e.g. for tests and local runs.
+    pub fn plain(bootstrap: &str) -> Self {
+        Self {
+            properties: BTreeMap::from([("bootstrap.servers".into(), bootstrap.into())]),
+        }
+    }
+
+    fn config(&self) -> ClientConfig {
+        let mut config = ClientConfig::new();
+        for (k, v) in &self.properties {
+            config.set(k, v);
+        }
+        config
+    }
+
+    /// Creates the declared topics that are missing; returns the ones created.
+    pub async fn ensure_topics(&self, topics: &TopicsSpec) -> anyhow::Result<Vec<String>> {
+        let admin: AdminClient<DefaultClientContext> = self.config().create()?;
+        let requests: Vec<TopicRequest> = topics
+            .declared
+            .iter()
+            .map(|t| TopicRequest {
+                name: t.name.clone(),
+                partitions: t.partitions,
+                replication: t.replication_factor.unwrap_or(-1),
+            })
+            .collect();
+        topics::create_missing(&admin, &requests).await
+    }
+
+    /// Lag of `group` on every partition of `topic`.
+    pub async fn read_lag(&self, group: &str, topic: &str) -> anyhow::Result<Vec<PartitionLag>> {
+        let mut config = self.config();
+        config
+            .set("group.id", group)
+            .set("enable.auto.commit", "false");
+        let topic = topic.to_string();
+        tokio::task::spawn_blocking(move || {
+            let consumer: BaseConsumer = config.create()?;
+            lag::read_with(&consumer, &topic, TIMEOUT)
+        })
+        .await?
+    }
+}
+
+async fn read(secrets: &Api<Secret>, name: &str) -> Result<Secret, CredentialError> {
+    secrets
+        .get(name)
+        .await
+        .map_err(|source| CredentialError::Read {
+            secret: name.to_string(),
+            source,
+        })
+}
+
+fn entry(secret: &Secret, key: &str) -> Result<String, CredentialError> {
+    let name = secret.metadata.name.clone().unwrap_or_default();
+    secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get(key))
+        .map(|v| String::from_utf8_lossy(&v.0).into_owned())
+        .or_else(|| {
+            secret
+                .string_data
+                .as_ref()
+                .and_then(|d| d.get(key))
+                .cloned()
+        })
+        .ok_or(CredentialError::MissingKey {
+            secret: name,
+            key: key.to_string(),
+        })
+}

@@ -1,0 +1,23 @@
+//! The sessionflow operator: turns `SessionPipeline` resources into per-stage worker
+//! Deployments and scales each stage from the consumer lag it reads from Kafka itself.
+//!
+//! Data flow: [`crd`] declares the resource; [`render`] turns a resource into the objects of
+//! each stage (pure); [`reconciler`] applies them with server-side apply and reports
+//! conditions; [`autoscale`] decides replica counts from lag (pure); [`scaler`] is the loop
+//! that reads lag through [`kafka`], applies the decisions and reports them; [`metrics`] and
+//! [`server`] expose what it sees.
+
+pub mod autoscale;
+pub mod crd;
+pub mod kafka;
+pub mod metrics;
+pub mod reconciler;
+pub mod reference;
+pub mod render;
+pub mod scaler;
+pub mod server;
+
+#[cfg(test)]
+mod fixtures;
+#[cfg(test)]
+mod rbac_tests;

@@ -1,0 +1,182 @@
+//! `sessionflow-operator`: `crd` prints the CustomResourceDefinition; `run` runs the operator.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use futures::StreamExt;
+use k8s_openapi::api::apps::v1::Deployment;
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::{watcher, Controller};
+use kube::{Api, Client};
+use sessionflow_operator::crd::{self, SessionPipeline};
+use sessionflow_operator::metrics::Metrics;
+use sessionflow_operator::reconciler::{self, Context};
+use sessionflow_operator::render::{Defaults, MANAGER};
+use sessionflow_operator::scaler::Scaler;
+use sessionflow_operator::server;
+
+#[derive(Parser)]
+#[command(name = "sessionflow-operator", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Print the SessionPipeline CustomResourceDefinition (YAML).
+    Crd,
+    /// Print the SessionPipeline field reference (Markdown), generated from the CRD schema.
+    Reference,
+    /// Run the operator against the cluster of the current kubeconfig or service account.
+    Run(RunArgs),
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Watch only this namespace (default: all namespaces).
+    #[arg(long, env = "SESSIONFLOW_NAMESPACE")]
+    namespace: Option<String>,
+    /// Worker image for pipelines that name none.
+    #[arg(long, env = "SESSIONFLOW_WORKER_IMAGE", default_value = concat!("ghcr.io/sessionflow/sessionflow-worker:", env!("CARGO_PKG_VERSION")))]
+    worker_image: String,
+    /// Address of /metrics, /healthz and /readyz.
+    #[arg(long, env = "SESSIONFLOW_METRICS_ADDR", default_value = "0.0.0.0:8080")]
+    metrics_addr: SocketAddr,
+    /// Seconds between two autoscaling passes.
+    #[arg(long, env = "SESSIONFLOW_SCALE_INTERVAL_SECS", default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..))]
+    scale_interval_secs: u64,
+    /// The operator's log format.
+    #[arg(long, env = "SESSIONFLOW_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+    /// The workers' log format.
+    #[arg(long, env = "SESSIONFLOW_WORKER_LOG_FORMAT", value_enum, default_value_t = LogFormat::Json)]
+    worker_log_format: LogFormat,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+impl LogFormat {
+    fn as_str(self) -> &'static str {
+        match self {
+            LogFormat::Text => "text",
+            LogFormat::Json => "json",
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Crd => {
+            print!("{}", crd::crd_yaml());
+            ExitCode::SUCCESS
+        }
+        Command::Reference => {
+            print!("{}", sessionflow_operator::reference::markdown());
+            ExitCode::SUCCESS
+        }
+        Command::Run(args) => {
+            init_logging(args.log_format);
+            let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
+            match runtime.block_on(run(args)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(error) => {
+                    tracing::error!(error = format!("{error:#}"), "operator stopped");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| "info,kube=warn".into());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+async fn run(args: RunArgs) -> anyhow::Result<()> {
+    let client = Client::try_default().await?;
+    let metrics = Metrics::new();
+    let ready = Arc::new(AtomicBool::new(false));
+    let (addr, _server) = server::serve(args.metrics_addr, metrics.clone(), ready.clone()).await?;
+    tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
+
+    let (pipelines, deployments) = match &args.namespace {
+        Some(ns) => (
+            Api::<SessionPipeline>::namespaced(client.clone(), ns),
+            Api::<Deployment>::namespaced(client.clone(), ns),
+        ),
+        None => (Api::all(client.clone()), Api::all(client.clone())),
+    };
+    let reporter = Reporter {
+        controller: MANAGER.into(),
+        instance: std::env::var("POD_NAME").ok(),
+    };
+    let defaults = Defaults {
+        worker_image: args.worker_image,
+        log_format: args.worker_log_format.as_str().into(),
+    };
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        defaults,
+        metrics.clone(),
+        reporter.clone(),
+    ));
+    let controller = Controller::new(pipelines, watcher::Config::default()).owns(
+        deployments,
+        watcher::Config::default().labels(&format!("app.kubernetes.io/managed-by={MANAGER}")),
+    );
+    let store = controller.store();
+    let scaler = Scaler::new(
+        client.clone(),
+        store.clone(),
+        metrics,
+        Recorder::new(client, reporter),
+        Duration::from_secs(args.scale_interval_secs),
+        ctx.scaler_wake.clone(),
+    );
+    tokio::spawn(async move {
+        // kube's store readiness wakes only its most recent waiter (the controller's own), so
+        // poll again on a timer rather than waiting once.
+        let synced = loop {
+            if let Ok(result) =
+                tokio::time::timeout(Duration::from_millis(250), store.wait_until_ready()).await
+            {
+                break result;
+            }
+        };
+        match synced {
+            Ok(()) => {
+                ready.store(true, Ordering::Relaxed);
+                tracing::info!("SessionPipeline cache synced; autoscaler starting");
+                scaler.run().await;
+            }
+            Err(error) => tracing::error!(%error, "SessionPipeline cache never synced"),
+        }
+    });
+    controller
+        .shutdown_on_signal()
+        .run(reconciler::reconcile, reconciler::error_policy, ctx)
+        .for_each(|result| async move {
+            if let Err(error) = result {
+                tracing::debug!(%error, "reconcile result");
+            }
+        })
+        .await;
+    tracing::info!("stopped");
+    Ok(())
+}

@@ -1,0 +1,237 @@
+//! The chart grants every API call the operator makes: the operator's API sessions (reconciles
+//! that create, update and remove, report errors and invalid specs; an autoscaling pass with
+//! credentials from a Secret) are replayed against an answer-everything API server, and each
+//! request is mapped to an RBAC (group, resource, verb) and looked up in
+//! `charts/sessionflow/files/operator-rules.yaml`, the file the chart renders its
+//! (Cluster)Role from. A new call the chart does not grant fails here.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::Method;
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::{reflector, watcher};
+use rdkafka::mocking::MockCluster;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::Notify;
+
+use crate::crd::{SaslMechanism, SaslSpec, SessionPipeline};
+use crate::fixtures::{mock_client, pipeline, Seen, UID};
+use crate::metrics::Metrics;
+use crate::reconciler::{reconcile, Context};
+use crate::render::Defaults;
+use crate::scaler::Scaler;
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Rule {
+    api_groups: Vec<String>,
+    resources: Vec<String>,
+    verbs: Vec<String>,
+}
+
+/// (API group, resource[/subresource], verb) of one request.
+fn rbac_call(seen: &Seen) -> (String, String, String) {
+    let path = seen.uri.split('?').next().unwrap();
+    let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let (group, rest) = match parts[0] {
+        "api" => (String::new(), &parts[2..]),
+        "apis" => (parts[1].to_string(), &parts[3..]),
+        other => panic!("unexpected path root {other} in {path}"),
+    };
+    let rest = if rest.first() == Some(&"namespaces") {
+        &rest[2..]
+    } else {
+        rest
+    };
+    let resource = match rest {
+        [resource] | [resource, _] => resource.to_string(),
+        [resource, _, sub] => format!("{resource}/{sub}"),
+        _ => panic!("unexpected path {path}"),
+    };
+    let named = rest.len() >= 2;
+    let verb = match (&seen.method, named) {
+        (&Method::GET, _) if seen.query_has("watch=true") => "watch",
+        (&Method::GET, true) => "get",
+        (&Method::GET, false) => "list",
+        (&Method::POST, _) => "create",
+        (&Method::PATCH, _) => "patch",
+        (&Method::PUT, _) => "update",
+        (&Method::DELETE, _) => "delete",
+        (m, _) => panic!("unexpected method {m}"),
+    };
+    (group, resource, verb.to_string())
+}
+
+/// What an API server would answer, closely enough for the operator to go on.
+fn answer(seen: &Seen, lists: &Value) -> Value {
+    let path = seen.uri.split('?').next().unwrap();
+    match seen.method {
+        Method::GET if path.ends_with("/configmaps") => lists["configmaps"].clone(),
+        Method::GET if path.ends_with("/deployments") => lists["deployments"].clone(),
+        Method::GET if path.ends_with("/services") => lists["services"].clone(),
+        Method::GET if path.contains("/deployments/") => json!({
+            "apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": { "name": path.rsplit('/').next().unwrap(), "namespace": "shop" },
+            "spec": { "replicas": 1, "selector": {}, "template": {} },
+            "status": { "readyReplicas": 1 },
+        }),
+        Method::GET if path.contains("/secrets/") => json!({
+            "apiVersion": "v1", "kind": "Secret",
+            "metadata": { "name": "kafka-user", "namespace": "shop" },
+            "data": { "username": "dXNlcg==", "password": "cGFzcw==" },
+        }),
+        Method::PATCH if path.ends_with("/status") => {
+            let mut sp = serde_json::to_value(pipeline(&["a"])).unwrap();
+            sp["status"] = seen.body["status"].clone();
+            sp
+        }
+        Method::DELETE => {
+            json!({"apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Success"})
+        }
+        _ => seen.body.clone(),
+    }
+}
+
+fn list(kind: &str, version: &str, items: Vec<Value>) -> Value {
+    json!({"apiVersion": version, "kind": format!("{kind}List"), "metadata": {}, "items": items})
+}
+
+/// Objects of a stage `old` that the pipeline owns (so a reconcile removes them).
+fn stale_objects() -> Value {
+    let meta = |name: &str| {
+        json!({
+            "name": name, "namespace": "shop",
+            "labels": { "sessionflow.io/pipeline": "chat", "sessionflow.io/stage": "old" },
+            "ownerReferences": [{ "apiVersion": "sessionflow.io/v1alpha1", "kind": "SessionPipeline",
+                                  "name": "chat", "uid": UID, "controller": true }],
+        })
+    };
+    json!({
+        "configmaps": list("ConfigMap", "v1", vec![json!({"metadata": meta("chat-old")})]),
+        "deployments": list("Deployment", "apps/v1", vec![json!({"metadata": meta("chat-old"),
+            "spec": {"selector": {}, "template": {}}})]),
+        "services": list("Service", "v1", vec![json!({"metadata": meta("chat-old-metrics")})]),
+    })
+}
+
+async fn reconcile_calls(sp: SessionPipeline, lists: Value) -> Vec<Seen> {
+    let (client, server) = mock_client();
+    let ctx = Arc::new(Context::new(
+        client,
+        Defaults {
+            worker_image: "w".into(),
+            log_format: "json".into(),
+        },
+        Metrics::new(),
+        Reporter {
+            controller: "sessionflow-operator".into(),
+            instance: None,
+        },
+    ));
+    let answering =
+        tokio::spawn(server.answer_all(Duration::from_millis(300), move |s| answer(s, &lists)));
+    let _ = reconcile(Arc::new(sp), ctx).await;
+    answering.await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_chart_grants_every_call_the_operator_makes() {
+    let rules_file = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../charts/sessionflow/files/operator-rules.yaml"
+    );
+    let rules: Vec<Rule> =
+        serde_saphyr::from_str(&std::fs::read_to_string(rules_file).unwrap()).unwrap();
+
+    let mut seen = Vec::new();
+    // Create everything; remove a stage; an invalid spec (status + event).
+    seen.extend(reconcile_calls(pipeline(&["a", "b"]), stale_objects()).await);
+    let mut invalid = pipeline(&["a"]);
+    invalid.spec.stages[0].output = Some("t0".into());
+    seen.extend(reconcile_calls(invalid, stale_objects()).await);
+
+    // An autoscaling pass that reads a SASL Secret, scales and reports.
+    let cluster = MockCluster::new(1).unwrap();
+    cluster.create_topic("t0", 2, 1).unwrap();
+    let mut sp = pipeline(&["a"]);
+    sp.spec.kafka.bootstrap_servers = cluster.bootstrap_servers();
+    sp.spec.kafka.sasl = Some(SaslSpec {
+        mechanism: SaslMechanism::Plain,
+        secret_name: "kafka-user".into(),
+        username_key: "username".into(),
+        password_key: "password".into(),
+    });
+    sp.spec.stages[0].replicas.min = 2;
+    sp.spec.stages[0].replicas.max = 2;
+    let (store, mut writer) = reflector::store();
+    writer.apply_watcher_event(&watcher::Event::Init);
+    writer.apply_watcher_event(&watcher::Event::InitApply(sp));
+    writer.apply_watcher_event(&watcher::Event::InitDone);
+    let (client, server) = mock_client();
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: "sessionflow-operator".into(),
+            instance: None,
+        },
+    );
+    let mut scaler = Scaler::new(
+        client,
+        store,
+        Metrics::new(),
+        recorder,
+        Duration::from_secs(60),
+        Arc::new(Notify::new()),
+    );
+    let lists = stale_objects();
+    let answering =
+        tokio::spawn(server.answer_all(Duration::from_secs(3), move |s| answer(s, &lists)));
+    scaler.tick().await;
+    seen.extend(answering.await.unwrap());
+
+    let mut calls: BTreeSet<(String, String, String)> = seen.iter().map(rbac_call).collect();
+    // The controller's watches (main.rs): SessionPipelines and the Deployments it owns.
+    for (group, resource) in [
+        ("sessionflow.io", "sessionpipelines"),
+        ("apps", "deployments"),
+    ] {
+        for verb in ["list", "watch"] {
+            calls.insert((group.into(), resource.into(), verb.into()));
+        }
+    }
+    // Server-side apply creates what does not exist: every applied kind needs `create` too.
+    let applied: Vec<_> = calls
+        .iter()
+        .filter(|(_, r, v)| v == "patch" && !r.contains('/') && r != "events")
+        .map(|(g, r, _)| (g.clone(), r.clone(), "create".to_string()))
+        .collect();
+    calls.extend(applied);
+
+    for expected in [
+        ("", "secrets", "get"),
+        ("apps", "deployments", "patch"),
+        ("apps", "deployments", "delete"),
+        ("sessionflow.io", "sessionpipelines/status", "patch"),
+        ("events.k8s.io", "events", "create"),
+    ] {
+        let e = (
+            expected.0.to_string(),
+            expected.1.to_string(),
+            expected.2.to_string(),
+        );
+        assert!(
+            calls.contains(&e),
+            "the replayed sessions did not exercise {expected:?}: {calls:?}"
+        );
+    }
+    let granted = |(g, r, v): &(String, String, String)| {
+        rules.iter().any(|rule| {
+            rule.api_groups.contains(g) && rule.resources.contains(r) && rule.verbs.contains(v)
+        })
+    };
+    let missing: Vec<_> = calls.iter().filter(|c| !granted(c)).collect();
+    assert!(missing.is_empty(), "the chart does not grant {missing:?}");
+}
