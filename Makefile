@@ -43,7 +43,15 @@ clean:
 	$(CARGO) clean
 	rm -rf .local
 
-.PHONY: images chart-check
+.PHONY: images chart-check crd
+
+## crd: regenerate the CRD (crds/ and the chart's copy), its reference and the worker config
+## reference from the Rust types
+crd:
+	$(CARGO) run -q -p sessionflow-operator -- crd > crds/sessionpipeline.yaml
+	cp crds/sessionpipeline.yaml charts/sessionflow/crds/sessionpipeline.yaml
+	$(CARGO) run -q -p sessionflow-operator -- reference > docs/crd-reference.md
+	$(CARGO) run -q -p sessionflow-operator -- reference --worker > docs/worker-config.md
 
 ## images: build the worker and operator images (Dockerfile.worker, Dockerfile.operator) when a
 ## Docker engine answers `docker info`; otherwise say so and build nothing (exit 0).

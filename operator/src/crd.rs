@@ -431,8 +431,7 @@ mod tests {
         let checked_in = std::fs::read_to_string(path).expect("crds/sessionpipeline.yaml exists");
         assert!(
             checked_in == crd_yaml(),
-            "crds/sessionpipeline.yaml is stale: regenerate it with \
-             `cargo run -p sessionflow-operator -- crd > crds/sessionpipeline.yaml`"
+            "crds/sessionpipeline.yaml is stale: regenerate it with `make crd`"
         );
     }
 

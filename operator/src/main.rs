@@ -31,7 +31,11 @@ enum Command {
     /// Print the SessionPipeline CustomResourceDefinition (YAML).
     Crd,
     /// Print the SessionPipeline field reference (Markdown), generated from the CRD schema.
-    Reference,
+    Reference {
+        /// The worker's stage config file instead.
+        #[arg(long)]
+        worker: bool,
+    },
     /// Run the operator against the cluster of the current kubeconfig or service account.
     Run(RunArgs),
 }
@@ -80,8 +84,13 @@ fn main() -> ExitCode {
             print!("{}", crd::crd_yaml());
             ExitCode::SUCCESS
         }
-        Command::Reference => {
-            print!("{}", sessionflow_operator::reference::markdown());
+        Command::Reference { worker } => {
+            let text = if worker {
+                sessionflow_operator::reference::worker_markdown()
+            } else {
+                sessionflow_operator::reference::markdown()
+            };
+            print!("{text}");
             ExitCode::SUCCESS
         }
         Command::Run(args) => {

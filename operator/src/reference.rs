@@ -1,7 +1,8 @@
-//! The user-facing reference of the `SessionPipeline` resource, generated from the CRD's own
-//! schema (descriptions, types, defaults, bounds, CEL rules), so the document cannot drift
-//! from what the API server enforces. `sessionflow-operator reference` prints it;
-//! `docs/crd-reference.md` is that output, checked by a test.
+//! The user-facing references, generated from schemas so they cannot drift from what is
+//! enforced: the `SessionPipeline` resource from the CRD's own schema (descriptions, types,
+//! defaults, bounds, CEL rules), and the worker's stage config file from the JSON schema of
+//! the worker's own config type. `sessionflow-operator reference [--worker]` prints them;
+//! `docs/crd-reference.md` and `docs/worker-config.md` are that output, checked by tests.
 
 use std::fmt::Write;
 
@@ -46,7 +47,40 @@ pub fn markdown() -> String {
     out
 }
 
+/// The worker's stage config file (`sessionflow-worker run --config`) as Markdown.
+pub fn worker_markdown() -> String {
+    let generator = schemars::generate::SchemaSettings::draft07()
+        .with(|s| s.inline_subschemas = true)
+        .into_generator();
+    let schema = generator.into_root_schema_for::<sessionflow_worker::StageConfig>();
+    let schema = serde_json::to_value(schema).expect("the schema serializes");
+    let mut out = String::from(
+        "# Worker stage config reference\n\n\
+         The YAML file of `sessionflow-worker run --config FILE` (camelCase keys; unknown keys are \
+         refused). On Kubernetes the operator renders it from a SessionPipeline stage. Generated \
+         from the worker's config type by `sessionflow-operator reference --worker`; do not edit \
+         by hand. Values are also checked when the worker starts (exit code 2 naming the key).\n\n\
+         | key | type | default | meaning |\n|---|---|---|---|\n",
+    );
+    let mut rows = Vec::new();
+    walk(&schema, "", &mut rows);
+    for row in rows {
+        out.push_str(&row.replacen("| `.", "| `", 1));
+    }
+    out.push_str(
+        "\nSASL credentials may also come from the environment: `SESSIONFLOW_SASL_USERNAME`, \
+         `SESSIONFLOW_SASL_PASSWORD` (`kafka.sasl.username` / `kafka.sasl.password`).\n",
+    );
+    out
+}
+
 fn walk(schema: &Value, path: &str, rows: &mut Vec<String>) {
+    // A tagged enum (the handler: `http` or `builtin`) lists its variants under oneOf.
+    if let Some(variants) = schema["oneOf"].as_array() {
+        for v in variants {
+            walk(v, path, rows);
+        }
+    }
     let Some(props) = schema["properties"].as_object() else {
         return;
     };
@@ -58,6 +92,7 @@ fn walk(schema: &Value, path: &str, rows: &mut Vec<String>) {
         let field = format!("{path}.{name}");
         let opaque = OPAQUE.iter().find(|(p, _)| *p == field);
         let mut ty = type_of(prop);
+        let prop = &nullable_inner(prop);
         if let Some((_, kind)) = opaque {
             ty = kind.to_string();
         }
@@ -98,12 +133,58 @@ fn walk(schema: &Value, path: &str, rows: &mut Vec<String>) {
         match prop["type"].as_str() {
             Some("object") => walk(prop, &field, rows),
             Some("array") => walk(&prop["items"], &format!("{field}[]"), rows),
+            None if prop["oneOf"].is_array() => walk(prop, &field, rows),
             _ => {}
         }
     }
 }
 
+/// `anyOf: [T, null]` / `type: [T, "null"]` (an optional field in a JSON schema) as T.
+fn nullable_inner(prop: &Value) -> Value {
+    if let Some(any) = prop["anyOf"].as_array() {
+        if let Some(inner) = any.iter().find(|s| s["type"] != "null") {
+            let mut inner = inner.clone();
+            for key in ["description", "default"] {
+                if !prop[key].is_null() {
+                    inner[key] = prop[key].clone();
+                }
+            }
+            return inner;
+        }
+    }
+    if let Some(types) = prop["type"].as_array() {
+        let mut inner = prop.clone();
+        if let Some(t) = types.iter().find(|t| *t != "null") {
+            inner["type"] = t.clone();
+        }
+        return inner;
+    }
+    prop.clone()
+}
+
+/// The values of an enum whose variants are documented (`oneOf` of `const`s), if it is one.
+fn documented_enum(prop: &Value) -> Option<Vec<String>> {
+    let variants = prop["oneOf"].as_array()?;
+    variants
+        .iter()
+        .map(|v| {
+            let value = v["const"].as_str()?;
+            Some(match v["description"].as_str() {
+                Some(d) => format!("`{value}`: {d}"),
+                None => format!("`{value}`"),
+            })
+        })
+        .collect()
+}
+
 fn type_of(prop: &Value) -> String {
+    let prop = &nullable_inner(prop);
+    if documented_enum(prop).is_some() {
+        return "string".into();
+    }
+    if prop["oneOf"].is_array() && prop["type"].is_null() {
+        return "object: exactly one of the keys below".into();
+    }
     match prop["type"].as_str() {
         Some("array") => format!("[]{}", type_of(&prop["items"])),
         Some("object") if prop["additionalProperties"].is_object() => {
@@ -127,10 +208,19 @@ fn bounds(prop: &Value) -> Vec<String> {
         ("minItems", "items ≥"),
         ("maxItems", "items ≤"),
     ];
+    let unsigned = prop["format"]
+        .as_str()
+        .is_some_and(|f| f.starts_with("uint"));
     for (key, label) in keys {
         if let Some(v) = prop.get(key).filter(|v| !v.is_null()) {
+            if unsigned && key == "minimum" && v.as_f64() == Some(0.0) {
+                continue; // implied by the type
+            }
             out.push(format!("{label} {v}"));
         }
+    }
+    if let Some(values) = documented_enum(prop) {
+        out.push(format!("one of {}", values.join("; ")));
     }
     if let Some(p) = prop["pattern"].as_str() {
         out.push(format!("matches `{p}`"));
@@ -173,9 +263,26 @@ mod tests {
         let checked_in = std::fs::read_to_string(path).expect("docs/crd-reference.md exists");
         assert!(
             checked_in == markdown(),
-            "docs/crd-reference.md is stale: regenerate it with \
-             `cargo run -p sessionflow-operator -- reference > docs/crd-reference.md`"
+            "docs/crd-reference.md is stale: regenerate it with `make crd`"
         );
+    }
+
+    #[test]
+    fn the_checked_in_worker_reference_is_what_the_binary_prints() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/worker-config.md");
+        let checked_in = std::fs::read_to_string(path).expect("docs/worker-config.md exists");
+        assert!(
+            checked_in == worker_markdown(),
+            "docs/worker-config.md is stale: regenerate it with `make crd`"
+        );
+        for key in [
+            "`retry.maxAttempts`",
+            "`handler.http.url`",
+            "`stuck.action`",
+            "`maxInFlightPerPartition`",
+        ] {
+            assert!(checked_in.contains(key), "{key} missing");
+        }
     }
 
     #[test]

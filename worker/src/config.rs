@@ -18,6 +18,7 @@ use crate::stuck::{StuckAction, StuckPolicy};
 
 /// One stage of a pipeline, as the worker runs it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct StageConfig {
     /// Bootstrap servers, `host:port[,host:port…]`. `--brokers` overrides it.
@@ -163,12 +164,15 @@ pub struct BuiltinHandlerConfig {
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RetryConfig {
+    /// Delay before the first retry; each next one is `multiplier` times longer (full jitter).
     #[serde(default = "defaults::initial_backoff_ms")]
     #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
     pub initial_backoff_ms: u64,
+    /// Longest delay between two attempts.
     #[serde(default = "defaults::max_backoff_ms")]
     #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
     pub max_backoff_ms: u64,
+    /// Growth of the delay from one retry to the next.
     #[serde(default = "defaults::multiplier")]
     #[cfg_attr(feature = "schema", schemars(range(min = 1.0)))]
     pub multiplier: f64,
@@ -193,6 +197,7 @@ impl Default for RetryConfig {
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct StuckConfig {
+    /// Time from a record's first attempt after which it counts as stuck.
     #[serde(default = "defaults::stuck_timeout_ms")]
     #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
     pub timeout_ms: u64,

@@ -24,6 +24,7 @@ pub mod offset_map;
 pub mod offsets;
 pub mod producer;
 pub mod record;
+pub mod replay;
 pub mod retry;
 pub mod routing;
 pub mod session;

@@ -14,6 +14,7 @@ use sessionflow_worker::demo::{self, DemoOptions};
 use sessionflow_worker::handler::ConfiguredHandler;
 use sessionflow_worker::lag;
 use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
+use sessionflow_worker::replay;
 use sessionflow_worker::telemetry::{self, LogFormat};
 use sessionflow_worker::verify::{self, VerifyOptions};
 use sessionflow_worker::{topics, StageConfig};
@@ -122,6 +123,31 @@ enum Command {
         /// Longest wait for the pipeline to finish once the load has started.
         #[arg(long, default_value_t = 600)]
         timeout_secs: u64,
+    },
+    /// Produce selected dead letters back to the topic they came from (new event ids; see the
+    /// README, "Dead letters", before replaying: replayed records come after their session's
+    /// newer records).
+    DlqReplay {
+        #[arg(long, env = "SESSIONFLOW_BROKERS", default_value = "127.0.0.1:9092")]
+        brokers: String,
+        /// The DLQ topic.
+        #[arg(long)]
+        dlq: String,
+        /// Only dead letters of this stage.
+        #[arg(long)]
+        stage: Option<String>,
+        /// Only this reason (poison, retries-exhausted, missing-session, produce-failed, stuck).
+        #[arg(long)]
+        reason: Option<String>,
+        /// Only this session (record key).
+        #[arg(long)]
+        session: Option<String>,
+        /// Produce to this topic instead of each record's source topic.
+        #[arg(long)]
+        to: Option<String>,
+        /// Count what would be replayed; produce nothing.
+        #[arg(long)]
+        dry_run: bool,
     },
     /// Create topics (existing ones are left alone).
     CreateTopics {
@@ -260,6 +286,35 @@ async fn dispatch(command: Command, log_format: LogFormat) -> ExitCode {
             match demo::run(&opts).await {
                 Ok(true) => ExitCode::SUCCESS,
                 Ok(false) => ExitCode::FAILURE,
+                Err(e) => report(Err(e)),
+            }
+        }
+        Command::DlqReplay {
+            brokers,
+            dlq,
+            stage,
+            reason,
+            session,
+            to,
+            dry_run,
+        } => {
+            let selection = replay::Selection {
+                stage,
+                reason,
+                session,
+            };
+            match replay::run(&brokers, &dlq, &selection, to.as_deref(), dry_run).await {
+                Ok(r) => {
+                    let verb = if dry_run { "would replay" } else { "replayed" };
+                    for (topic, n) in &r.replayed {
+                        println!("{verb} {n} record(s) to {topic}");
+                    }
+                    println!(
+                        "not selected: {}; selected without a source topic: {}",
+                        r.skipped, r.no_target
+                    );
+                    ExitCode::SUCCESS
+                }
                 Err(e) => report(Err(e)),
             }
         }

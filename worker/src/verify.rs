@@ -24,6 +24,7 @@ use crate::record::header;
 pub struct SeqRecord {
     pub partition: i32,
     pub offset: i64,
+    pub key: Option<Vec<u8>>,
     pub session: Option<String>,
     pub seq: Option<u64>,
     /// All headers, for callers that check more (DLQ reasons, event ids).
@@ -124,6 +125,7 @@ pub fn read_topic(
                 .push(SeqRecord {
                     partition: m.partition(),
                     offset: m.offset(),
+                    key: m.key().map(<[u8]>::to_vec),
                     session,
                     seq,
                     headers,

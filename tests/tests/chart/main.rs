@@ -108,9 +108,7 @@ fn chart_crd_is_the_generated_one() {
     let chart_crd = repo_file("charts/sessionflow/crds/sessionpipeline.yaml");
     assert!(
         chart_crd == sessionflow_operator::crd::crd_yaml(),
-        "charts/sessionflow/crds/sessionpipeline.yaml is stale: regenerate crds/sessionpipeline.yaml \
-         (`cargo run -p sessionflow-operator -- crd > crds/sessionpipeline.yaml`) and copy it to \
-         charts/sessionflow/crds/"
+        "charts/sessionflow/crds/sessionpipeline.yaml is stale: regenerate it with `make crd`"
     );
     assert_eq!(
         chart_crd,

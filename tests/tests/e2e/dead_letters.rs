@@ -148,3 +148,105 @@ async fn an_output_the_producer_refuses_goes_to_the_dlq_as_produce_failed() {
     assert_eq!(report.records, 20, "{report}");
     topics.delete().await;
 }
+
+/// Dead letters replayed after the fault is fixed, while the stage keeps running: `dlq-replay`
+/// sends the selected records back to their source topic with new event ids and without their
+/// old sequence numbers. The running sessions would otherwise skip them (their recent event-id
+/// cache holds the dead-lettered ids) and count them as order violations (their sequence went
+/// past them); instead each is processed exactly once and the watchdog stays at 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replayed_dead_letters_are_processed_once_by_the_fixed_stage() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    use sessionflow_worker::replay::{self, Selection, REPLAY_OF};
+
+    let topics = Topics::create("dlq-replay", 4).await;
+    produce_round_robin(&topics, 20, 10).await;
+    let fixed = Arc::new(AtomicBool::new(false));
+    let is_fixed = fixed.clone();
+    let handler = RecordingHandler::new(move |s, seq, _| match seq {
+        3 if !is_fixed.load(Ordering::SeqCst) => {
+            Err(HandlerError::Poison(format!("cannot parse {s}:{seq}")))
+        }
+        7 if !is_fixed.load(Ordering::SeqCst) => {
+            Err(HandlerError::Transient("dependency down".into()))
+        }
+        _ => Ok(Some(format!("{s}:{seq}").into_bytes())),
+    });
+    let mut stage = topics.stage(builtin(0.0, 0.0));
+    stage.retry.max_attempts = 2;
+    stage.session_idle_ms = 600_000;
+    let worker = sessionflow_worker::start(stage, handler).await.unwrap();
+    topics.wait_fully_committed(Duration::from_secs(120)).await;
+
+    let timeout = Duration::from_secs(30);
+    let dlq = read_topic(&brokers(), &topics.dlq, None, timeout).unwrap();
+    let poison_ids: Vec<String> = dlq
+        .iter()
+        .filter(|d| d.header(header::DLQ_REASON) == Some("poison"))
+        .map(|d| d.header(header::EVENT_ID).unwrap().to_string())
+        .collect();
+    assert_eq!((dlq.len(), poison_ids.len()), (40, 20));
+
+    // The fault is fixed; replay only the poison ones (a dry run first produces nothing).
+    fixed.store(true, Ordering::SeqCst);
+    let poison = Selection {
+        reason: Some("poison".into()),
+        ..Selection::default()
+    };
+    let dry = replay::run(&brokers(), &topics.dlq, &poison, None, true)
+        .await
+        .unwrap();
+    assert_eq!(dry.replayed.get(&topics.input), Some(&20));
+    assert_eq!(
+        sessionflow_tests::end_offsets(&topics.input)
+            .iter()
+            .sum::<i64>(),
+        200
+    );
+    let done = replay::run(&brokers(), &topics.dlq, &poison, None, false)
+        .await
+        .unwrap();
+    assert_eq!(
+        (done.replayed.get(&topics.input), done.skipped),
+        (Some(&20), 20)
+    );
+    topics.wait_fully_committed(Duration::from_secs(120)).await;
+
+    let violations: u64 = ["intake", "handler"]
+        .iter()
+        .map(|at| {
+            worker
+                .metrics
+                .order_violations
+                .with_label_values(&[at])
+                .get()
+        })
+        .sum();
+    let (records_in, skipped) = (
+        worker.metrics.records_in.get(),
+        worker.metrics.replay_skipped.get(),
+    );
+    worker.shutdown().await.unwrap();
+    assert_eq!(
+        (records_in, skipped),
+        (220, 0),
+        "replayed records are new, not skipped"
+    );
+    assert_eq!(violations, 0, "replayed records are not order violations");
+
+    let output = read_topic(&brokers(), &topics.output, None, timeout).unwrap();
+    let mut replayed_of: Vec<String> = output
+        .iter()
+        .filter_map(|r| r.header(REPLAY_OF).map(str::to_string))
+        .collect();
+    replayed_of.sort();
+    let mut expected = poison_ids.clone();
+    expected.sort();
+    assert_eq!(
+        replayed_of, expected,
+        "each poison record processed once after the replay"
+    );
+    topics.delete().await;
+}

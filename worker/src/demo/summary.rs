@@ -297,6 +297,7 @@ mod tests {
 
     fn record(partition: i32, offset: i64, event: Option<&str>, ts: i64) -> SeqRecord {
         SeqRecord {
+            key: None,
             partition,
             offset,
             session: Some("s".into()),
