@@ -72,3 +72,17 @@ images:
 ## under ~/.cache/sessionflow on first use
 chart-check:
 	scripts/chart-check.sh
+
+.PHONY: bench
+
+## bench: sessionflow against a raw-consumer ceiling, a per-partition sequential consumer and a
+## flat worker pool, scenarios P1–P5, on one broker (nisshi on BROKER_PORT, or BROKERS=host:port);
+## writes BENCHMARKS.md and bench/results/ (SVG charts, results.json); ~15 minutes on 2 cores
+bench:
+	$(CARGO) build --release -p sessionflow-bench
+	@if [ -n "$(BROKERS)" ]; then \
+	  target/release/sessionflow-bench --brokers "$(BROKERS)"; \
+	else \
+	  scripts/with-broker.sh target/release/sessionflow-bench \
+	    --broker-pid-file .local/broker-$(BROKER_PORT).pid; \
+	fi

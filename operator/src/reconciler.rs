@@ -1,12 +1,12 @@
 //! The reconciler: makes the cluster hold what [`render::plan`] says for a `SessionPipeline`,
 //! and reports how that went in the resource's conditions.
 //!
-//! One pass: render (a bad spec stops here, as `Degraded` with the field named); create missing
-//! topics when asked; list the pipeline's ConfigMaps, Deployments and Services by label; apply
-//! with server-side apply only the objects whose rendered hash differs from what the cluster
-//! holds (so a pass with nothing to change writes nothing); delete the objects of stages no
-//! longer in the spec; then write `observedGeneration`, the conditions and `stagesReady` if they
-//! changed. Deployment replicas are not touched here: [`crate::scaler`] owns them.
+//! One pass: render (a bad spec stops here, as `Degraded` with the field named); list the
+//! pipeline's ConfigMaps, Deployments and Services by label; apply with server-side apply only
+//! the objects whose rendered hash differs from what the cluster holds (so a pass with nothing
+//! to change writes nothing); delete the objects of stages no longer in the spec; create
+//! missing topics when asked; then write `observedGeneration`, the conditions and `stagesReady`
+//! if they changed. Deployment replicas are not touched here: [`crate::scaler`] owns them.
 //!
 //! Errors (API, Kafka, Secrets) are reported in `Degraded` and as a Warning event, and the
 //! pass is retried with exponential backoff ([`error_policy`]).
@@ -141,7 +141,6 @@ async fn converge(sp: &SessionPipeline, ctx: &Context) -> Result<Action, Error> 
             return Ok(Action::await_change());
         }
     };
-    ensure_topics(sp, ctx, &namespace).await?;
 
     let client = &ctx.client;
     let config_maps: Api<ConfigMap> = Api::namespaced(client.clone(), &namespace);
@@ -195,6 +194,10 @@ async fn converge(sp: &SessionPipeline, ctx: &Context) -> Result<Action, Error> 
         )
         .await;
     }
+
+    // After the objects: a broker that cannot be reached must not hold back other changes
+    // (workers wait for their topics themselves); the failure still shows as Degraded.
+    ensure_topics(sp, ctx, &namespace).await?;
 
     let ready = count_ready(&plans, &existing_deployments, &rolled);
     let status = converged_status(sp, ready, plans.len(), !rolled.is_empty(), now());

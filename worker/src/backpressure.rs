@@ -1,13 +1,18 @@
 //! Backpressure: what to do when the sessions cannot keep up with the fetch.
 //!
 //! Routing must never block the consumer loop (a blocked loop stops heartbeats, commits and
-//! every other partition). So when a record cannot be handed to its dispatcher, or a partition
-//! has too many records in flight, the partition is *paused* and its records that were already
-//! fetched are parked, in order, in that partition's [`PendingBuffer`]. They stay "in flight"
-//! for the offset tracker, so the commit watermark cannot pass them. The consumer loop drains
-//! the buffers as capacity returns and resumes a partition only when its buffer is empty and
-//! the pressure is below the resume mark — otherwise a newly fetched record could overtake an
-//! older parked one.
+//! every other partition). So when a record cannot be handed to its dispatcher, it is parked,
+//! in order, in its partition's [`PendingBuffer`], and every later record of that partition is
+//! parked behind it until the buffer drains (a newly fetched record must not overtake an older
+//! parked one). Parked records stay "in flight" for the offset tracker, so the commit watermark
+//! cannot pass them. The consumer loop drains the buffers as capacity returns.
+//!
+//! A partition is *paused* only when its buffer reaches [`park_limit`] records or its in-flight
+//! span reaches `maxInFlightPerPartition`: a dispatcher that is full for a moment (the common
+//! case under load) costs a short park, not a pause. Pausing is expensive: librdkafka drops a
+//! paused partition's prefetched records and fetches them again after the resume, and its
+//! fetcher may sleep up to a second before it notices the resume. A paused partition resumes
+//! only when its buffer is empty and the pressure is below the resume mark.
 //!
 //! A session that is retrying does not create intake pressure by itself: its records wait in
 //! its own session queue, not in the dispatcher's channel, so other sessions keep flowing until
@@ -71,10 +76,16 @@ impl PendingBuffer {
     }
 }
 
-/// When a partition must be paused: something is parked, or too much is in flight (`span`:
-/// records from the commit watermark to the newest one taken in).
-pub fn should_pause(pending: usize, span: usize, max_in_flight: usize) -> bool {
-    pending > 0 || span >= max_in_flight
+/// Records a partition may park before it is paused: one dispatcher channel's worth. With the
+/// in-flight cap, it bounds what a partition holds in memory.
+pub fn park_limit(dispatcher_capacity: usize) -> usize {
+    dispatcher_capacity.max(1)
+}
+
+/// When a partition must be paused: its parked records reached `park_limit`, or too much is in
+/// flight (`span`: records from the commit watermark to the newest one taken in).
+pub fn should_pause(pending: usize, park_limit: usize, span: usize, max_in_flight: usize) -> bool {
+    pending >= park_limit || span >= max_in_flight
 }
 
 /// When a paused partition may fetch again: nothing parked, the in-flight span below the resume
@@ -142,9 +153,11 @@ mod tests {
 
     #[test]
     fn pause_and_resume_marks() {
-        assert!(should_pause(1, 0, 10));
-        assert!(should_pause(0, 10, 10));
-        assert!(!should_pause(0, 9, 10));
+        assert!(should_pause(4, 4, 0, 10), "the park limit reached");
+        assert!(!should_pause(3, 4, 0, 10), "a short park does not pause");
+        assert!(should_pause(0, 4, 10, 10));
+        assert!(!should_pause(0, 4, 9, 10));
+        assert_eq!(park_limit(0), 1);
         // Resume only with an empty buffer, in-flight at or under half, dispatcher half free.
         assert!(may_resume(0, 5, 10, 50, 100, 0.5));
         assert!(!may_resume(1, 0, 10, 100, 100, 0.5));

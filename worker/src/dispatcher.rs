@@ -90,5 +90,10 @@ impl<H: Handler> Dispatcher<H> {
         let now = Instant::now();
         let idle = self.idle;
         self.sessions.retain(|_, s| !s.is_idle(now, idle));
+        // A burst of sessions leaves the map's table behind at its peak size; give the memory
+        // back once most of them are gone (rare: only after the map shrank to a quarter).
+        if self.sessions.capacity() > 1_024 && self.sessions.len() < self.sessions.capacity() / 4 {
+            self.sessions.shrink_to_fit();
+        }
     }
 }

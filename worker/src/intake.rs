@@ -578,6 +578,7 @@ impl IntakeLoop {
             && (state.map_overflow
                 || backpressure::should_pause(
                     state.pending.len(),
+                    backpressure::park_limit(ctx.settings.dispatcher_capacity),
                     span,
                     ctx.settings.max_in_flight_per_partition,
                 ))
@@ -601,7 +602,7 @@ impl IntakeLoop {
                 state.paused = true;
                 pause_partition(&self.consumer, &book.topic, *p, true);
             }
-            if !state.paused {
+            if !state.paused && state.pending.is_empty() {
                 continue;
             }
             let (_, closed) = state.pending.drain(|record| {
@@ -615,6 +616,14 @@ impl IntakeLoop {
                 result
             });
             state.unreleased = state.unreleased.saturating_sub(closed.len());
+            if !state.paused {
+                // Parked without a pause: what is still parked waits for the next round.
+                pending_total += state.pending.len();
+                if state.pending.is_empty() {
+                    state.blocked_on = None;
+                }
+                continue;
+            }
             let span = book.tracker.partition(*p).map_or(0, |o| o.span());
             let (free, capacity) = state.blocked_on.map_or(
                 (

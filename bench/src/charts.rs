@@ -1,0 +1,201 @@
+//! Charts: the report's two pictures, as SVG files drawn with plotters.
+//!
+//! Tables give the numbers; the charts show the two things a reader should see at a glance:
+//! how each design's throughput compares scenario by scenario (log scale: the designs differ by
+//! orders of magnitude in P2), and in P4 how much of the healthy sessions' latency distribution
+//! one failing session drags out. Only plotters' SVG backend is used — no bitmap encoder and no
+//! font loading (SVG text is laid out with plotters' built-in estimate and drawn by the viewer).
+
+use std::path::Path;
+
+use plotters::prelude::*;
+
+use crate::scenarios::{Measured, Outcome};
+use crate::systems::SystemKind;
+
+fn colour(kind: SystemKind) -> RGBColor {
+    match kind {
+        SystemKind::Ceiling => RGBColor(120, 120, 120),
+        SystemKind::Sessionflow => RGBColor(31, 119, 180),
+        SystemKind::Sequential => RGBColor(214, 39, 40),
+        SystemKind::Pool => RGBColor(255, 127, 14),
+    }
+}
+
+fn throughput(m: Option<&Measured>) -> Option<f64> {
+    m.and_then(|m| m.result.throughput())
+}
+
+/// Grouped bars: one group per scenario that has a ceiling run, one bar per system.
+pub fn throughput_chart(outcomes: &[Outcome], path: &Path) -> anyhow::Result<()> {
+    let groups: Vec<&Outcome> = outcomes
+        .iter()
+        .filter(|o| o.system(SystemKind::Ceiling).is_some())
+        .collect();
+    let values: Vec<Vec<(SystemKind, f64)>> = groups
+        .iter()
+        .map(|o| {
+            o.systems
+                .iter()
+                .filter_map(|s| {
+                    throughput(s.backlog.as_ref().or(s.paced.as_ref())).map(|t| (s.system, t))
+                })
+                .collect()
+        })
+        .collect();
+    let max = values
+        .iter()
+        .flatten()
+        .map(|(_, v)| *v)
+        .fold(1_000.0f64, f64::max);
+    let top = 10f64.powf(max.log10().ceil());
+    let root = SVGBackend::new(path, (900, 500)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let n = groups.len().max(1) as f64;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "Throughput by scenario and system (msg/s, log scale)",
+            ("sans-serif", 20),
+        )
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(-0.5f64..(n - 0.5), (100f64..top).log_scale())?;
+    let labels: Vec<String> = groups
+        .iter()
+        .map(|o| format!("{:?}", o.scenario.id))
+        .collect();
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(groups.len().max(1))
+        .x_label_formatter(&|x| {
+            let i = x.round();
+            if (x - i).abs() < 1e-6 && i >= 0.0 {
+                labels.get(i as usize).cloned().unwrap_or_default()
+            } else {
+                String::new()
+            }
+        })
+        .y_label_formatter(&|y| crate::report::fmt_int(*y))
+        .y_desc("msg/s")
+        .draw()?;
+    let width = 0.8 / SystemKind::ALL.len() as f64;
+    for (slot, kind) in SystemKind::ALL.iter().enumerate() {
+        let bars: Vec<Rectangle<(f64, f64)>> = values
+            .iter()
+            .enumerate()
+            .filter_map(|(g, vs)| {
+                let v = vs.iter().find(|(k, _)| k == kind)?.1;
+                let x0 = g as f64 - 0.4 + slot as f64 * width;
+                Some(Rectangle::new(
+                    [(x0, 100.0), (x0 + width * 0.9, v.max(100.0))],
+                    colour(*kind).filled(),
+                ))
+            })
+            .collect();
+        chart
+            .draw_series(bars)?
+            .label(kind.label())
+            .legend(move |(x, y)| {
+                Rectangle::new([(x, y - 5), (x + 12, y + 5)], colour(*kind).filled())
+            });
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.9))
+        .border_style(BLACK)
+        .draw()?;
+    root.present()?;
+    Ok(())
+}
+
+/// P4: for each system, the fraction of healthy records slower than x (log–log), with the
+/// fault (solid) and without (dashed).
+pub fn p4_latency_chart(p4: &Outcome, path: &Path) -> anyhow::Result<()> {
+    // (system, with the fault, (latency ms, fraction slower) points)
+    type Curve = (SystemKind, bool, Vec<(f64, f64)>);
+    let mut curves: Vec<Curve> = Vec::new();
+    for s in &p4.systems {
+        for (fault, m) in [(true, s.paced.as_ref()), (false, s.fault_free.as_ref())] {
+            let Some(m) = m else { continue };
+            let total = (m.result.healthy.count() + m.censored_healthy()).max(1) as f64;
+            let floor = 0.5 / total;
+            let points: Vec<(f64, f64)> = m
+                .result
+                .healthy
+                .cdf(m.censored_healthy())
+                .into_iter()
+                .map(|(us, f)| (us / 1e3, (1.0 - f).max(floor)))
+                .collect();
+            curves.push((s.system, fault, points));
+        }
+    }
+    let xmax = curves
+        .iter()
+        .flat_map(|(_, _, p)| p.iter().map(|(x, _)| *x))
+        .fold(10.0f64, f64::max);
+    let ymin = curves
+        .iter()
+        .flat_map(|(_, _, p)| p.iter().map(|(_, y)| *y))
+        .fold(1.0f64, f64::min)
+        .max(1e-7);
+    let root = SVGBackend::new(path, (900, 520)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "P4: latency of the 999 healthy sessions, one session failing for 10 s",
+            ("sans-serif", 20),
+        )
+        .margin(15)
+        .x_label_area_size(45)
+        .y_label_area_size(70)
+        .build_cartesian_2d(
+            (0.1f64..xmax * 1.5).log_scale(),
+            (ymin * 0.5..1.0f64).log_scale(),
+        )?;
+    chart
+        .configure_mesh()
+        .x_desc("latency, ms (produce stamp → handler done)")
+        .y_desc("fraction of records slower")
+        .x_label_formatter(&|x| format!("{x}"))
+        .y_label_formatter(&|y| format!("{y:e}"))
+        .draw()?;
+    for (kind, fault, points) in curves {
+        let style = colour(kind).stroke_width(2);
+        let label = format!(
+            "{}{}",
+            kind.label(),
+            if fault {
+                ", with fault"
+            } else {
+                ", fault-free"
+            }
+        );
+        let steps = points.clone();
+        if fault {
+            chart
+                .draw_series(LineSeries::new(steps, style))?
+                .label(label)
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], colour(kind).stroke_width(2))
+                });
+        } else {
+            chart
+                .draw_series(DashedLineSeries::new(steps, 6, 4, style))?
+                .label(label)
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 8, y)], colour(kind).stroke_width(2))
+                });
+        }
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.9))
+        .border_style(BLACK)
+        .draw()?;
+    root.present()?;
+    Ok(())
+}

@@ -1,0 +1,252 @@
+//! `sessionflow-bench`: the harness behind `make bench`.
+//!
+//! It runs every scenario ([`scenarios`]) against the four systems ([`systems`]) on one broker,
+//! each run in a child process of this same binary ([`run`]), measures them the same way
+//! ([`measurement`], [`handler`], [`workload`]), and writes BENCHMARKS.md ([`report`]) with
+//! SVG charts ([`charts`]) and the raw results as JSON. It measures and reports; it asserts
+//! nothing about time.
+
+mod charts;
+mod handler;
+mod measurement;
+mod report;
+mod run;
+mod scenarios;
+mod systems;
+mod workload;
+
+use std::path::PathBuf;
+use std::process::Command as Process;
+use std::time::Instant;
+
+use clap::{ArgAction, Parser, Subcommand};
+
+use crate::scenarios::ScenarioId;
+
+#[derive(Parser)]
+#[command(
+    name = "sessionflow-bench",
+    about = "Benchmarks sessionflow against a ceiling and two baselines"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    /// Bootstrap servers of the broker to run on.
+    #[arg(long, env = "SESSIONFLOW_BROKERS")]
+    brokers: Option<String>,
+    /// The report to write.
+    #[arg(long, default_value = "BENCHMARKS.md")]
+    out: PathBuf,
+    /// Where the charts and results.json go.
+    #[arg(long, default_value = "bench/results")]
+    results_dir: PathBuf,
+    /// Multiplies record counts and durations (development: e.g. 0.05).
+    #[arg(long, default_value_t = 1.0)]
+    scale: f64,
+    /// Run only these scenarios (comma-separated), e.g. `--only p1,p3`.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<ScenarioId>,
+    /// Run only these systems (development), e.g. `--systems sessionflow`.
+    #[arg(long, value_delimiter = ',')]
+    systems: Vec<systems::SystemKind>,
+    /// Workers of the flat-pool baseline.
+    #[arg(long, default_value_t = 64)]
+    pool_workers: usize,
+    /// Queue capacity of each flat-pool worker.
+    #[arg(long, default_value_t = 1_024)]
+    pool_queue: usize,
+    /// Install the worker binary's telemetry in sessionflow's runs (as a deployed worker has).
+    #[arg(long, default_value_t = true, action = ArgAction::Set)]
+    telemetry: bool,
+    /// librdkafka's fetch.wait.max.ms for every system's consumer. nisshi's long poll re-checks
+    /// after half the remaining wait, so this sets the latency floor (10 ms: ~3–5 ms).
+    #[arg(long, default_value_t = 10)]
+    fetch_wait_ms: u64,
+    /// The broker's pid file (scripts/broker.sh writes one): its CPU time and version are read.
+    #[arg(long)]
+    broker_pid_file: Option<PathBuf>,
+    /// Hand-written notes appended to the report.
+    #[arg(long, default_value = "bench/NOTES.md")]
+    notes: PathBuf,
+    /// Where each run's stderr goes.
+    #[arg(long, default_value = "target/bench-logs")]
+    log_dir: PathBuf,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// One run in its own process (used by the harness itself).
+    #[command(hide = true)]
+    Child { spec: String },
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    if let Some(Command::Child { spec }) = &cli.command {
+        return run::child(serde_json::from_str(spec)?).await;
+    }
+    let started = Instant::now();
+    let brokers = cli.brokers.clone().ok_or_else(|| {
+        anyhow::anyhow!("no broker: pass --brokers or set SESSIONFLOW_BROKERS (make bench does)")
+    })?;
+    std::fs::create_dir_all(&cli.results_dir)?;
+    std::fs::create_dir_all(&cli.log_dir)?;
+    let broker_pid = cli
+        .broker_pid_file
+        .as_ref()
+        .and_then(|f| std::fs::read_to_string(f).ok())
+        .and_then(|s| s.trim().parse::<u32>().ok())
+        .filter(|pid| std::path::Path::new(&format!("/proc/{pid}")).exists());
+    let mut env = report::Environment {
+        command: command_line(),
+        nproc: output_of("nproc", &[])
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(0),
+        cpu_model: cpu_model(),
+        date: output_of("date", &["-u", "+%Y-%m-%d %H:%M UTC"]).unwrap_or_default(),
+        broker: broker_description(broker_pid),
+        brokers: brokers.clone(),
+        load_before: load_average(),
+        pool_workers: cli.pool_workers,
+        telemetry: cli.telemetry,
+        fetch_wait_ms: cli.fetch_wait_ms,
+        scale: cli.scale,
+        ..Default::default()
+    };
+    let opts = scenarios::Options {
+        brokers,
+        exe: std::env::current_exe()?,
+        pool_workers: cli.pool_workers,
+        pool_queue: cli.pool_queue,
+        telemetry: cli.telemetry,
+        fetch_wait_ms: cli.fetch_wait_ms,
+        log_dir: cli.log_dir.clone(),
+        broker_pid,
+    };
+    eprintln!(
+        "sessionflow-bench: broker {} ({}), load {}, logs in {}",
+        opts.brokers,
+        env.broker,
+        env.load_before,
+        cli.log_dir.display()
+    );
+    let mut outcomes = Vec::new();
+    let mut failures = Vec::new();
+    for mut sc in scenarios::all(cli.scale) {
+        if !cli.only.is_empty() && !cli.only.contains(&sc.id) {
+            continue;
+        }
+        if !cli.systems.is_empty() {
+            sc.systems.retain(|s| cli.systems.contains(s));
+        }
+        eprintln!("== {:?}: {}", sc.id, sc.title);
+        match scenarios::run(&opts, &sc).await {
+            Ok(o) => outcomes.push(o),
+            Err(e) => {
+                eprintln!("{:?} failed: {e:#}", sc.id);
+                failures.push(format!("{:?}: {e:#}", sc.id));
+            }
+        }
+    }
+    env.load_after = load_average();
+    env.wall_s = started.elapsed().as_secs_f64();
+
+    std::fs::write(
+        cli.results_dir.join("results.json"),
+        serde_json::to_string_pretty(&outcomes)?,
+    )?;
+    charts::throughput_chart(&outcomes, &cli.results_dir.join("throughput.svg"))?;
+    if let Some(p4) = outcomes.iter().find(|o| o.scenario.id == ScenarioId::P4) {
+        charts::p4_latency_chart(p4, &cli.results_dir.join("p4-latency-cdf.svg"))?;
+    }
+    let mut notes = std::fs::read_to_string(&cli.notes).ok();
+    if !failures.is_empty() {
+        let text = format!(
+            "## Runs that failed\n\n{}\n\n{}",
+            failures
+                .iter()
+                .map(|f| format!("- {f}"))
+                .collect::<Vec<_>>()
+                .join("\n"),
+            notes.unwrap_or_default()
+        );
+        notes = Some(text);
+    }
+    std::fs::write(
+        &cli.out,
+        report::markdown(&env, &outcomes, notes.as_deref()),
+    )?;
+    eprintln!(
+        "sessionflow-bench: wrote {} in {:.0} s",
+        cli.out.display(),
+        env.wall_s
+    );
+    for v in report::verdicts(&outcomes) {
+        eprintln!(
+            "  {:<60} {:<40} {}",
+            v.target,
+            v.measured,
+            match v.met {
+                Some(true) => "met",
+                Some(false) => "MISSED",
+                None => "not measured",
+            }
+        );
+    }
+    anyhow::ensure!(failures.is_empty(), "{} scenario(s) failed", failures.len());
+    Ok(())
+}
+
+/// How this benchmark was started (`make bench` sets MAKELEVEL for its recipes).
+fn command_line() -> String {
+    let args: Vec<String> = std::env::args().collect();
+    let argv = args.join(" ");
+    if std::env::var_os("MAKELEVEL").is_some() {
+        let port = std::env::var("BROKER_PORT").unwrap_or_default();
+        format!("make bench BROKER_PORT={port}` → `{argv}")
+    } else {
+        argv
+    }
+}
+
+fn output_of(cmd: &str, args: &[&str]) -> Option<String> {
+    let out = Process::new(cmd).args(args).output().ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into())
+}
+
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|l| l.split_whitespace().next().map(str::to_string))
+        .unwrap_or_else(|| "?".into())
+}
+
+/// The broker's name and version, from its executable when it runs here.
+fn broker_description(pid: Option<u32>) -> String {
+    let Some(pid) = pid else {
+        return "external broker (version not known to the harness)".into();
+    };
+    let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
+    let version = exe
+        .as_ref()
+        .and_then(|e| output_of(&e.to_string_lossy(), &["--version"]));
+    match version {
+        Some(v) => format!("{v} (pid {pid}, memory storage)"),
+        None => format!("broker pid {pid} (version unknown)"),
+    }
+}

@@ -1,0 +1,550 @@
+//! The report: BENCHMARKS.md from the outcomes, with the ratios and the targets.
+//!
+//! A benchmark is only worth as much as its conditions are known, so the report starts with
+//! the exact command, the machine, the date, the broker and the load on the machine, then
+//! defines every number before giving it. The ratios and the verdicts against the targets are
+//! computed here (pure functions, unit-tested) from the same outcomes the tables show; nothing
+//! is rounded in sessionflow's favour, and a target missed is printed as missed. Notes written
+//! by hand after profiling live in `bench/NOTES.md` and are included as they are.
+
+use std::fmt::Write as _;
+
+use crate::scenarios::{Measured, Outcome, ScenarioId, SEED_P50_MS, SEED_RATE};
+use crate::systems::SystemKind;
+
+/// Where and how the benchmark ran.
+#[derive(Debug, Clone, Default)]
+pub struct Environment {
+    pub command: String,
+    pub nproc: usize,
+    pub cpu_model: String,
+    pub date: String,
+    pub broker: String,
+    pub brokers: String,
+    pub load_before: String,
+    pub load_after: String,
+    pub wall_s: f64,
+    pub pool_workers: usize,
+    pub telemetry: bool,
+    pub fetch_wait_ms: u64,
+    pub scale: f64,
+}
+
+/// `a / b` when both are known and `b` is not zero.
+pub fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+        _ => None,
+    }
+}
+
+/// P2's ideal throughput: every session busy all the time, `sessions / io`, but never more
+/// than the raw consumer manages.
+pub fn ideal_rate(sessions: u64, io_ms: u64, ceiling: Option<f64>) -> Option<f64> {
+    if io_ms == 0 {
+        return ceiling;
+    }
+    let ideal = sessions as f64 / (io_ms as f64 / 1e3);
+    Some(ceiling.map_or(ideal, |c| ideal.min(c)))
+}
+
+/// A target's verdict.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Verdict {
+    pub target: String,
+    pub measured: String,
+    pub met: Option<bool>,
+}
+
+fn verdict(target: impl Into<String>, measured: String, met: Option<bool>) -> Verdict {
+    Verdict {
+        target: target.into(),
+        measured,
+        met,
+    }
+}
+
+fn throughput(o: &Outcome, kind: SystemKind) -> Option<f64> {
+    let s = o.system(kind)?;
+    s.backlog
+        .as_ref()
+        .or(s.paced.as_ref())
+        .and_then(|m| m.result.throughput())
+}
+
+fn healthy_quantile(m: Option<&Measured>, q: f64) -> Option<f64> {
+    let m = m?;
+    m.result.healthy.quantile(q, m.censored_healthy())
+}
+
+fn fmt_ratio(r: Option<f64>) -> String {
+    r.map_or("—".into(), |r| format!("{r:.2}×"))
+}
+
+/// Thousands separators, no decimals.
+pub fn fmt_int(v: f64) -> String {
+    let n = v.round() as i64;
+    let digits = n.abs().to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    if n < 0 {
+        format!("-{out}")
+    } else {
+        out
+    }
+}
+
+/// Milliseconds from µs, 3 significant digits.
+pub fn fmt_ms(us: Option<f64>, cap_s: f64) -> String {
+    match us {
+        None => format!("> {cap_s:.0} s"),
+        Some(us) => {
+            let ms = us / 1e3;
+            if ms >= 100.0 {
+                format!("{ms:.0}")
+            } else if ms >= 10.0 {
+                format!("{ms:.1}")
+            } else {
+                format!("{ms:.2}")
+            }
+        }
+    }
+}
+
+/// The verdicts against the targets of the brief, from the outcomes present.
+pub fn verdicts(outcomes: &[Outcome]) -> Vec<Verdict> {
+    let find = |id| outcomes.iter().find(|o| o.scenario.id == id);
+    let sf = SystemKind::Sessionflow;
+    let mut out = Vec::new();
+    if let Some(o) = find(ScenarioId::P1) {
+        let r = ratio(throughput(o, sf), throughput(o, SystemKind::Ceiling));
+        out.push(verdict(
+            "P1 throughput ≥ 0.8 × ceiling",
+            fmt_ratio(r),
+            r.map(|r| r >= 0.8),
+        ));
+    }
+    if let Some(o) = find(ScenarioId::P2) {
+        let ideal = ideal_rate(
+            o.scenario.sessions,
+            o.scenario.handler.io_ms,
+            throughput(o, SystemKind::Ceiling),
+        );
+        let r = ratio(throughput(o, sf), ideal);
+        out.push(verdict(
+            format!(
+                "P2 throughput ≥ 0.8 × ideal ({} msg/s)",
+                ideal.map_or("—".into(), fmt_int)
+            ),
+            fmt_ratio(r),
+            r.map(|r| r >= 0.8),
+        ));
+        let r = ratio(throughput(o, sf), throughput(o, SystemKind::Sequential));
+        out.push(verdict(
+            "P2 throughput ≥ 50 × per-partition sequential",
+            fmt_ratio(r),
+            r.map(|r| r >= 50.0),
+        ));
+    }
+    if let Some(o) = find(ScenarioId::P3) {
+        let t = throughput(o, sf);
+        out.push(verdict(
+            format!("P3 throughput ≥ 2 × {} msg/s", fmt_int(SEED_RATE)),
+            t.map_or("—".into(), |t| format!("{} msg/s", fmt_int(t))),
+            t.map(|t| t >= 2.0 * SEED_RATE),
+        ));
+        let paced = o.system(sf).and_then(|s| s.paced.as_ref());
+        let p50 = healthy_quantile(paced, 0.5);
+        let kept_up = paced.and_then(|m| {
+            let t = m.result.throughput()?;
+            Some(!m.result.capped && t >= 0.95 * m.offered_rate?)
+        });
+        out.push(verdict(
+            format!(
+                "P3 p50 < {SEED_P50_MS} ms at 2 × {} msg/s offered",
+                fmt_int(SEED_RATE)
+            ),
+            format!(
+                "{} ms{}",
+                fmt_ms(p50, paced.map_or(0.0, |m| m.cap_secs)),
+                match kept_up {
+                    Some(true) => ", kept up",
+                    Some(false) => ", did NOT keep up",
+                    None => "",
+                }
+            ),
+            p50.zip(kept_up).map(|(p, k)| k && p / 1e3 < SEED_P50_MS),
+        ));
+    }
+    if let Some(o) = find(ScenarioId::P4) {
+        let s = o.system(sf);
+        let faulty = healthy_quantile(s.and_then(|s| s.paced.as_ref()), 0.99);
+        let clean = healthy_quantile(s.and_then(|s| s.fault_free.as_ref()), 0.99);
+        let r = ratio(faulty, clean);
+        out.push(verdict(
+            "P4 p99 of healthy sessions ≤ 1.5 × their fault-free p99",
+            format!(
+                "{} (p99 {} ms vs {} ms)",
+                fmt_ratio(r),
+                fmt_ms(faulty, 0.0),
+                fmt_ms(clean, 0.0)
+            ),
+            r.map(|r| r <= 1.5),
+        ));
+    }
+    if let Some(o) = find(ScenarioId::P5) {
+        let mem = o
+            .system(sf)
+            .and_then(|s| s.paced.as_ref())
+            .and_then(|m| m.result.memory.clone());
+        let r = mem
+            .as_ref()
+            .and_then(|m| ratio(Some(m.after_reap_rss as f64), Some(m.baseline_rss as f64)));
+        out.push(verdict(
+            "P5 RSS after idle reap ≤ 1.2 × baseline",
+            fmt_ratio(r),
+            r.map(|r| r <= 1.2),
+        ));
+    }
+    out
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.0}", bytes as f64 / 1048576.0)
+}
+
+fn latency_cells(m: Option<&Measured>) -> [String; 3] {
+    let Some(m) = m else {
+        return ["—".into(), "—".into(), "—".into()];
+    };
+    let cap = m.cap_secs;
+    [0.5, 0.99, 0.999].map(|q| fmt_ms(healthy_quantile(Some(m), q), cap))
+}
+
+fn rate_cell(m: Option<&Measured>) -> String {
+    match m.and_then(|m| m.result.throughput().map(|t| (t, m))) {
+        None => "—".into(),
+        Some((t, m)) if m.result.capped => format!(
+            "{} (capped: {} of {} in {:.0} s)",
+            fmt_int(t),
+            fmt_int(m.result.handled as f64),
+            fmt_int(m.expected as f64),
+            m.wall_s
+        ),
+        Some((t, _)) => fmt_int(t),
+    }
+}
+
+fn scenario_table(o: &Outcome, md: &mut String) {
+    let sc = &o.scenario;
+    let paced_rate = sc
+        .paced
+        .as_ref()
+        .and_then(|p| p.rate)
+        .map_or("unpaced".into(), |r| format!("{} msg/s", fmt_int(r)));
+    let _ = writeln!(md, "### {:?}: {}\n\n{}\n", sc.id, sc.title, sc.what);
+    let backlog = sc
+        .backlog
+        .as_ref()
+        .map(|b| format!("backlog of {} records", fmt_int(b.records as f64)));
+    let paced = sc.paced.as_ref().map(|p| {
+        format!(
+            "paced run: {} records at {paced_rate}",
+            fmt_int(p.records as f64)
+        )
+    });
+    let _ = writeln!(
+        md,
+        "Sessions: {} ({}), partitions: {}. Runs: {}.\n",
+        fmt_int(sc.sessions as f64),
+        sc.choice.describe(),
+        sc.partitions,
+        [backlog, paced]
+            .into_iter()
+            .flatten()
+            .collect::<Vec<_>>()
+            .join("; ")
+    );
+    let throughput_from = if sc.backlog.is_some() {
+        "backlog"
+    } else {
+        "paced"
+    };
+    let _ = writeln!(
+        md,
+        "| system | throughput, msg/s ({throughput_from}) | p50 ms | p99 ms | p99.9 ms | \
+         achieved rate, paced | order violations | CPU s | broker CPU s | peak RSS MiB |"
+    );
+    let _ = writeln!(md, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for s in &o.systems {
+        let main = s.backlog.as_ref().or(s.paced.as_ref());
+        let [p50, p99, p999] = latency_cells(s.paced.as_ref());
+        let violations: u64 = [&s.backlog, &s.paced, &s.fault_free]
+            .into_iter()
+            .flatten()
+            .map(|m| m.result.order_violations)
+            .sum();
+        let _ = writeln!(
+            md,
+            "| {} | {} | {p50} | {p99} | {p999} | {} | {} | {} | {} | {} |",
+            s.system.label(),
+            rate_cell(main),
+            rate_cell(s.paced.as_ref()),
+            violations,
+            main.map_or("—".into(), |m| format!("{:.1}", m.result.cpu_s)),
+            main.and_then(|m| m.broker_cpu_s)
+                .map_or("—".into(), |c| format!("{c:.1}")),
+            main.map_or("—".into(), |m| mib(m.result.peak_rss)),
+        );
+    }
+    md.push('\n');
+    if sc.fault_free.is_some() {
+        let _ = writeln!(
+            md,
+            "Healthy sessions (all but session 0), with and without session 0's fault:\n\n\
+             | system | p50 fault-free | p50 with fault | p99 fault-free | p99 with fault | \
+             p99 ratio | p99.9 with fault | session 0 records done |"
+        );
+        let _ = writeln!(md, "|---|---:|---:|---:|---:|---:|---:|---:|");
+        for s in &o.systems {
+            let (f, c) = (s.paced.as_ref(), s.fault_free.as_ref());
+            let q = |m: Option<&Measured>, q| {
+                fmt_ms(healthy_quantile(m, q), m.map_or(0.0, |m| m.cap_secs))
+            };
+            let r = ratio(healthy_quantile(f, 0.99), healthy_quantile(c, 0.99));
+            let failing_done = f.map_or("—".into(), |m| {
+                format!(
+                    "{} of {}",
+                    m.result.handled - m.result.healthy_handled,
+                    m.expected - m.expected_healthy
+                )
+            });
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {} | {} | {} | {failing_done} |",
+                s.system.label(),
+                q(c, 0.5),
+                q(f, 0.5),
+                q(c, 0.99),
+                q(f, 0.99),
+                fmt_ratio(r),
+                q(f, 0.999),
+            );
+        }
+        md.push('\n');
+    }
+    if sc.memory {
+        if let Some(m) = o
+            .system(SystemKind::Sessionflow)
+            .and_then(|s| s.paced.as_ref())
+        {
+            if let Some(mem) = &m.result.memory {
+                let _ = writeln!(
+                    md,
+                    "| RSS at rest before | peak RSS | RSS after idle reap | after reap ÷ before | \
+                     peak live sessions | reap took | diagnostic: RSS after malloc_trim(0) |\n\
+                     |---:|---:|---:|---:|---:|---:|---:|\n\
+                     | {} MiB | {} MiB | {} MiB | {} | {} | {:.1} s | {} MiB |\n",
+                    mib(mem.baseline_rss),
+                    mib(mem.peak_rss),
+                    mib(mem.after_reap_rss),
+                    fmt_ratio(ratio(
+                        Some(mem.after_reap_rss as f64),
+                        Some(mem.baseline_rss as f64)
+                    )),
+                    fmt_int(mem.peak_sessions as f64),
+                    mem.reap_secs,
+                    mib(mem.after_trim_rss),
+                );
+            }
+        }
+    }
+    let _ = writeln!(
+        md,
+        "Scenario wall time: {:.0} s{}.\n",
+        o.wall_s,
+        o.backlog_produce_rate.map_or(String::new(), |r| format!(
+            "; the backlog was produced at {} msg/s",
+            fmt_int(r)
+        ))
+    );
+}
+
+fn ratios_table(outcomes: &[Outcome], md: &mut String) {
+    let _ = writeln!(
+        md,
+        "## Ratios (throughput)\n\n| scenario | sessionflow ÷ ceiling | sessionflow ÷ per-partition \
+         sequential | sessionflow ÷ flat pool |\n|---|---:|---:|---:|"
+    );
+    for o in outcomes {
+        if o.system(SystemKind::Ceiling).is_none() {
+            continue;
+        }
+        let sf = throughput(o, SystemKind::Sessionflow);
+        let _ = writeln!(
+            md,
+            "| {:?} | {} | {} | {} |",
+            o.scenario.id,
+            fmt_ratio(ratio(sf, throughput(o, SystemKind::Ceiling))),
+            fmt_ratio(ratio(sf, throughput(o, SystemKind::Sequential))),
+            fmt_ratio(ratio(sf, throughput(o, SystemKind::Pool))),
+        );
+    }
+    md.push('\n');
+}
+
+/// The whole of BENCHMARKS.md.
+pub fn markdown(env: &Environment, outcomes: &[Outcome], notes: Option<&str>) -> String {
+    let mut md = String::new();
+    let _ = writeln!(
+        md,
+        "# sessionflow benchmarks\n\n\
+         Generated by `make bench` (the `sessionflow-bench` crate in `bench/`). It measures and \
+         reports; it asserts nothing. Every scenario runs, in one invocation and on one broker, \
+         against four systems fed the same records and the same handler: the raw librdkafka \
+         consumer (the ceiling), sessionflow (the engine in-process through its library API), a \
+         per-partition sequential consumer, and a flat worker pool of {} workers (the seed \
+         article's first design). Each run is a separate process.\n",
+        env.pool_workers
+    );
+    let _ = writeln!(
+        md,
+        "## Conditions\n\n\
+         - command: `{}`\n\
+         - machine: {} CPUs (`nproc`), {}\n\
+         - date: {}\n\
+         - broker: {} at {}\n\
+         - 1-minute load average: {} before, {} after (other work on this shared machine \
+         competes for the same 2 cores)\n\
+         - wall time of the whole benchmark: {:.0} s ({:.1} min)\n\
+         - sessionflow telemetry: {}\n\
+         - every system's consumer: `fetch.wait.max.ms` {} (nisshi's long poll does not wake \
+         when records arrive; an empty fetch is re-read after half the remaining wait, so this \
+         setting puts a floor under every system's latency — with 100 ms even the raw consumer's \
+         p50 is ~25–30 ms), `queued.max.messages.kbytes` 16384\n{}",
+        env.command,
+        env.nproc,
+        env.cpu_model,
+        env.date,
+        env.broker,
+        env.brokers,
+        env.load_before,
+        env.load_after,
+        env.wall_s,
+        env.wall_s / 60.0,
+        if env.telemetry {
+            "the worker binary's (tracing subscriber with the OpenTelemetry layer: a span per \
+             record and per attempt; logs at `warn`)"
+        } else {
+            "none installed (spans are no-ops)"
+        },
+        env.fetch_wait_ms,
+        if (env.scale - 1.0).abs() > f64::EPSILON {
+            format!(
+                "- **scaled run** (`--scale {}`): not the full-size benchmark\n",
+                env.scale
+            )
+        } else {
+            String::new()
+        }
+    );
+    md.push_str(
+        "## Definitions\n\n\
+         - **throughput**: records ÷ (last handler completion − first handler call) of the \
+         *backlog* run (the records are produced first, then the system drains them; start-up \
+         and group join are excluded). P4 has no backlog run: its throughput is the paced run's. \
+         A run that hit its time cap is marked *capped* and its rate is what it handled in that \
+         time.\n\
+         - **latency**: from the moment the producer stamped the record (wall clock, just before \
+         handing it to librdkafka) to the end of the handler call that succeeded (after any \
+         retries), measured in the *paced* run, where the system is running and fetching before \
+         the records are produced at the offered rate. So it includes producer batching \
+         (`linger.ms` 1), the broker, fetching (`fetch.wait.max.ms` as below, the same for \
+         every system), \
+         queueing inside the system, retries and the handler's own work. Percentiles are \
+         nearest-rank over every record of the run (≤ 1/64 bucket error); a record not done \
+         within the run's cap counts as slower than all others, so a percentile that lands \
+         among those reads \"> cap\". In P4 the percentiles are of the healthy sessions only.\n\
+         - **order violations**: checked per record at the handler: each session's `sessionflow-seq` \
+         (1, 2, 3… as loadgen numbers them) must enter the handler only after the previous \
+         number finished, and a retry must repeat the record inside; anything else counts. \
+         Summed over all runs of the scenario.\n\
+         - **CPU s**: user + system CPU seconds of the system's process (getrusage) from just \
+         before it started to its last record, in the backlog run (P4: the paced run with the \
+         fault). **broker CPU s**: the broker process's CPU over the same run (/proc/PID/stat), \
+         when the broker runs on this machine. **peak RSS**: the process's VmHWM.\n\
+         - Every system uses the same retry policy (the engine's `RetryPolicy`: in place, \
+         exponential, full jitter) and the same consumer settings; sessionflow uses its defaults \
+         (8 dispatchers × 1,024, 10,000 in flight per partition, commit every 1 s) with no \
+         output topic, like the baselines.\n\n",
+    );
+    for o in outcomes {
+        scenario_table(o, &mut md);
+    }
+    ratios_table(outcomes, &mut md);
+    let _ = writeln!(
+        md,
+        "## Targets\n\n| target | measured | met |\n|---|---|---|"
+    );
+    for v in verdicts(outcomes) {
+        let met = match v.met {
+            Some(true) => "yes",
+            Some(false) => "**no**",
+            None => "not measured",
+        };
+        let _ = writeln!(md, "| {} | {} | {met} |", v.target, v.measured);
+    }
+    md.push('\n');
+    md.push_str(
+        "## Charts\n\n\
+         ![throughput by scenario and system](bench/results/throughput.svg)\n\n\
+         ![P4 latency distribution of the healthy sessions](bench/results/p4-latency-cdf.svg)\n\n\
+         The raw results (every histogram) are in `bench/results/results.json`.\n\n",
+    );
+    if let Some(notes) = notes {
+        md.push_str(notes.trim_end());
+        md.push('\n');
+    }
+    md
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ratios_need_both_sides() {
+        assert_eq!(ratio(Some(8.0), Some(10.0)), Some(0.8));
+        assert_eq!(ratio(None, Some(10.0)), None);
+        assert_eq!(ratio(Some(1.0), Some(0.0)), None);
+    }
+
+    #[test]
+    fn ideal_rate_is_sessions_over_io_capped_by_the_ceiling() {
+        assert_eq!(ideal_rate(1_000, 5, Some(500_000.0)), Some(200_000.0));
+        assert_eq!(ideal_rate(1_000, 5, Some(150_000.0)), Some(150_000.0));
+        assert_eq!(ideal_rate(1_000, 5, None), Some(200_000.0));
+        assert_eq!(ideal_rate(1_000, 0, Some(9.0)), Some(9.0));
+    }
+
+    #[test]
+    fn numbers_are_formatted_for_reading() {
+        assert_eq!(fmt_int(1_234_567.4), "1,234,567");
+        assert_eq!(fmt_int(999.0), "999");
+        assert_eq!(fmt_int(-1_000.0), "-1,000");
+        assert_eq!(fmt_ms(Some(1_234.0), 1.0), "1.23");
+        assert_eq!(fmt_ms(Some(12_345.0), 1.0), "12.3");
+        assert_eq!(fmt_ms(Some(123_456.0), 1.0), "123");
+        assert_eq!(fmt_ms(None, 18.0), "> 18 s");
+    }
+
+    #[test]
+    fn no_outcomes_no_verdicts() {
+        assert!(verdicts(&[]).is_empty());
+    }
+}

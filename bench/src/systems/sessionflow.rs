@@ -1,0 +1,96 @@
+//! System 2: sessionflow, the engine in-process through its library API.
+//!
+//! Exactly what a Rust user does: a `StageConfig`, a `Handler` of their own (here, the bench
+//! handler), `sessionflow_worker::start`. The stage is terminal (no output topic), like the
+//! baselines, so every system does the same work per record; the engine still tracks every
+//! offset, commits contiguous watermarks and runs its own order watchdog. With `telemetry` the
+//! worker binary's tracing setup is installed first (a span per record and per attempt, as a
+//! deployed worker creates them), with logging at `warn`.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use futures::FutureExt;
+use sessionflow_worker::config::{BuiltinHandlerConfig, HandlerConfig, RetryConfig};
+use sessionflow_worker::record::header;
+use sessionflow_worker::{Handler, HandlerError, HandlerResult, InputRecord, StageConfig};
+
+use super::{common_kafka, Running, SystemSettings};
+use crate::handler::Core;
+use crate::workload::decode;
+
+struct BenchHandler(Arc<Core>);
+
+impl Handler for BenchHandler {
+    async fn handle(&self, record: &InputRecord, attempt: u32) -> HandlerResult {
+        let seq = record.header(header::SEQ).map(|b| &b[..]);
+        match decode(record.value.as_deref(), seq) {
+            Some(v) => self
+                .0
+                .call(v, record.partition, attempt)
+                .await
+                .map(|()| None)
+                .map_err(HandlerError::Transient),
+            None => Ok(None),
+        }
+    }
+}
+
+pub fn stage_config(settings: &SystemSettings) -> StageConfig {
+    let kafka: BTreeMap<String, String> = common_kafka(settings)
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+    StageConfig {
+        brokers: settings.brokers.clone(),
+        group: Some(settings.group.clone()),
+        stage: "bench".into(),
+        input: settings.topic.clone(),
+        output: None,
+        dlq: settings.dlq.clone(),
+        session: Default::default(),
+        // Not used: the bench handler is passed to `start` directly.
+        handler: HandlerConfig::Builtin(BuiltinHandlerConfig::default()),
+        retry: RetryConfig {
+            initial_backoff_ms: settings.retry_initial_ms,
+            max_backoff_ms: settings.retry_max_ms,
+            multiplier: 2.0,
+            max_attempts: 0,
+        },
+        stuck: Default::default(),
+        rebalance: Default::default(),
+        commit_interval_ms: 1_000,
+        dispatchers: 8,
+        dispatcher_capacity: 1_024,
+        session_idle_ms: settings.session_idle_ms,
+        max_in_flight_per_partition: 10_000,
+        lag_interval_ms: 5_000,
+        shutdown_timeout_ms: 10_000,
+        metrics_addr: None,
+        otlp_endpoint: None,
+        kafka,
+    }
+}
+
+pub async fn start(settings: &SystemSettings, core: Arc<Core>) -> anyhow::Result<Running> {
+    let telemetry = settings.telemetry.then(|| {
+        if std::env::var_os("RUST_LOG").is_none() {
+            std::env::set_var("RUST_LOG", "warn");
+        }
+        sessionflow_worker::telemetry::init(sessionflow_worker::telemetry::LogFormat::Text)
+    });
+    let worker = sessionflow_worker::start(stage_config(settings), BenchHandler(core)).await?;
+    let metrics = worker.metrics.clone();
+    Ok(Running {
+        stop: Box::new(move || {
+            async move {
+                if let Err(e) = worker.shutdown().await {
+                    eprintln!("sessionflow: shutdown: {e}");
+                }
+                drop(telemetry);
+            }
+            .boxed()
+        }),
+        active_sessions: Some(Box::new(move || metrics.active_sessions.get())),
+    })
+}
