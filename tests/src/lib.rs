@@ -373,6 +373,14 @@ impl Drop for Inside<'_> {
     }
 }
 
+/// The ordering watchdog's count (`sessionflow_order_violations_total`, intake + handler).
+pub fn order_violations(metrics: &sessionflow_worker::metrics::Metrics) -> u64 {
+    ["intake", "handler"]
+        .iter()
+        .map(|at| metrics.order_violations.with_label_values(&[at]).get())
+        .sum()
+}
+
 /// The worker binary built next to the test binary.
 pub fn worker_binary() -> PathBuf {
     workspace_binary("sessionflow-worker")

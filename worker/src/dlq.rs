@@ -43,6 +43,18 @@ impl DlqReason {
     }
 }
 
+/// The headers a dead letter gets on top of the original record's (its `traceparent` is
+/// replaced, and an event id is added when the record had none).
+pub const ADDED_HEADERS: [&str; 7] = [
+    header::DLQ_REASON,
+    header::DLQ_ERROR,
+    header::SOURCE_TOPIC,
+    header::SOURCE_PARTITION,
+    header::SOURCE_OFFSET,
+    header::STAGE,
+    header::ATTEMPTS,
+];
+
 /// The headers of the DLQ copy of `record`: the original ones, then sessionflow's.
 pub fn dlq_headers(
     record: &InputRecord,
@@ -55,16 +67,9 @@ pub fn dlq_headers(
     let offset = record.offset.to_string();
     let attempts = attempts.to_string();
     let traceparent = crate::telemetry::traceparent(record).unwrap_or_default();
-    let ours = [
-        header::TRACEPARENT,
-        header::DLQ_REASON,
-        header::DLQ_ERROR,
-        header::SOURCE_TOPIC,
-        header::SOURCE_PARTITION,
-        header::SOURCE_OFFSET,
-        header::STAGE,
-        header::ATTEMPTS,
-    ];
+    let ours: Vec<&str> = std::iter::once(header::TRACEPARENT)
+        .chain(ADDED_HEADERS)
+        .collect();
     let has_event_id = record.header(header::EVENT_ID).is_some();
     let mut extra: Vec<(&str, &[u8])> = vec![
         (header::DLQ_REASON, reason.as_str().as_bytes()),

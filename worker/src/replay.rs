@@ -20,6 +20,7 @@ use rdkafka::config::ClientConfig;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
+use crate::dlq;
 use crate::record::header;
 use crate::verify::{self, SeqRecord};
 
@@ -66,22 +67,13 @@ pub struct Replay {
 /// it names no source topic and no `to` is given.
 pub fn replay_of(dead: &SeqRecord, to: Option<&str>) -> Option<Replay> {
     let topic = to.or(dead.header(header::SOURCE_TOPIC))?.to_string();
-    let added_by_dlq = [
-        header::DLQ_REASON,
-        header::DLQ_ERROR,
-        header::SOURCE_TOPIC,
-        header::SOURCE_PARTITION,
-        header::SOURCE_OFFSET,
-        header::STAGE,
-        header::ATTEMPTS,
-        header::SEQ,
-        header::EVENT_ID,
-        REPLAY_OF,
-    ];
+    let replaced = [header::SEQ, header::EVENT_ID, REPLAY_OF];
     let mut headers: Vec<(String, String)> = dead
         .headers
         .iter()
-        .filter(|(k, _)| !added_by_dlq.contains(&k.as_str()))
+        .filter(|(k, _)| {
+            !dlq::ADDED_HEADERS.contains(&k.as_str()) && !replaced.contains(&k.as_str())
+        })
         .cloned()
         .collect();
     let original = dead

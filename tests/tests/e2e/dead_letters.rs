@@ -214,16 +214,7 @@ async fn replayed_dead_letters_are_processed_once_by_the_fixed_stage() {
     );
     topics.wait_fully_committed(Duration::from_secs(120)).await;
 
-    let violations: u64 = ["intake", "handler"]
-        .iter()
-        .map(|at| {
-            worker
-                .metrics
-                .order_violations
-                .with_label_values(&[at])
-                .get()
-        })
-        .sum();
+    let violations = sessionflow_tests::order_violations(&worker.metrics);
     let (records_in, skipped) = (
         worker.metrics.records_in.get(),
         worker.metrics.replay_skipped.get(),

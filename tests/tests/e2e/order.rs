@@ -32,16 +32,7 @@ async fn sessions_stay_ordered_under_transient_faults() {
     assert!(metrics.contains("sessionflow_order_violations_total{at=\"handler\",stage=\"test\"} 0"));
     let retries = worker.metrics.retries.get();
     let records_in = worker.metrics.records_in.get();
-    let violations: u64 = ["intake", "handler"]
-        .iter()
-        .map(|at| {
-            worker
-                .metrics
-                .order_violations
-                .with_label_values(&[at])
-                .get()
-        })
-        .sum();
+    let violations = sessionflow_tests::order_violations(&worker.metrics);
     assert_eq!(violations, 0, "the ordering watchdog saw violations");
     assert!(worker.health.is_ready());
     worker.shutdown().await.unwrap();
