@@ -245,12 +245,38 @@ pub type Fate = dyn Fn(&str, u64, u32) -> HandlerResult + Send + Sync;
 /// How long a [`RecordingHandler`] works on a record: `(session, seq) -> delay`.
 pub type Delay = dyn Fn(&str, u64) -> Duration + Send + Sync;
 
+/// Which records a [`RecordingHandler`] holds until its [`Gate`] opens: `(session, seq)`.
+pub type Held = dyn Fn(&str, u64) -> bool + Send + Sync;
+
+/// Holds chosen records inside a [`RecordingHandler`] until the test opens it: a hang the
+/// test ends when it wants, not after a duration that a slow machine may outrun.
+#[derive(Clone)]
+pub struct Gate(Arc<tokio::sync::watch::Sender<bool>>);
+
+impl Default for Gate {
+    fn default() -> Self {
+        Self(Arc::new(tokio::sync::watch::Sender::new(false)))
+    }
+}
+
+impl Gate {
+    /// Lets every held record (and every later one) through.
+    pub fn open(&self) {
+        self.0.send_replace(true);
+    }
+
+    async fn passed(&self) {
+        let _ = self.0.subscribe().wait_for(|open| *open).await;
+    }
+}
+
 /// A handler that records the order in which each session's records reach it.
 #[derive(Clone)]
 pub struct RecordingHandler {
     pub seen: Arc<Mutex<Seen>>,
     fate: Arc<Fate>,
     delay: Arc<Delay>,
+    hold: Option<(Arc<Held>, Gate)>,
 }
 
 impl RecordingHandler {
@@ -259,7 +285,18 @@ impl RecordingHandler {
             seen: Arc::default(),
             fate: Arc::new(fate),
             delay: Arc::new(|_, _| Duration::ZERO),
+            hold: None,
         }
+    }
+
+    /// Holds the records `held` picks inside the handler until `gate` opens.
+    pub fn holding(
+        mut self,
+        held: impl Fn(&str, u64) -> bool + Send + Sync + 'static,
+        gate: Gate,
+    ) -> Self {
+        self.hold = Some((Arc::new(held), gate));
+        self
     }
 
     pub fn with_delay(
@@ -350,6 +387,11 @@ impl Handler for RecordingHandler {
         let delay = (self.delay)(&session, seq);
         if !delay.is_zero() {
             tokio::time::sleep(delay).await;
+        }
+        if let Some((held, gate)) = &self.hold {
+            if held(&session, seq) {
+                gate.passed().await;
+            }
         }
         let result = (self.fate)(&session, seq, attempt);
         if result.is_ok() {

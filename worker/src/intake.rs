@@ -655,7 +655,9 @@ impl IntakeLoop {
                 pending_total += state.pending.len();
             }
         }
+        let overflowing = book.partitions.values().filter(|s| s.map_overflow).count();
         ctx.metrics.paused_partitions.set(paused);
+        ctx.metrics.map_overflow_partitions.set(overflowing as i64);
         ctx.metrics.pending_records.set(pending_total as i64);
     }
 

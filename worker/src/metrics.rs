@@ -25,6 +25,7 @@ pub struct Metrics {
     pub handler_seconds: HistogramVec,
     pub committed_offset: IntGaugeVec,
     pub paused_partitions: IntGauge,
+    pub map_overflow_partitions: IntGauge,
     pub pending_records: IntGauge,
     pub produce_errors: IntCounter,
     pub commit_errors: IntCounter,
@@ -75,6 +76,11 @@ impl Metrics {
         let paused_partitions = gauge(
             "paused_partitions",
             "Input partitions paused for backpressure.",
+        );
+        let map_overflow_partitions = gauge(
+            "offset_map_overflow_partitions",
+            "Input partitions whose completed-offset map no longer fits in commit metadata: \
+             the plain watermark is committed and intake is held until the map shrinks.",
         );
         let pending_records = gauge(
             "pending_records",
@@ -148,6 +154,7 @@ impl Metrics {
             handler_seconds,
             committed_offset,
             paused_partitions,
+            map_overflow_partitions,
             pending_records,
             produce_errors,
             commit_errors,

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, DropGuard};
 use tokio_util::task::TaskTracker;
 
 use crate::completion;
@@ -29,7 +29,10 @@ use crate::session::SessionContext;
 /// How long, after the consumer loop ends, session tasks and acknowledgements get to finish.
 const CLOSE_GRACE: Duration = Duration::from_secs(10);
 
-/// A stage running in the background.
+/// A stage running in the background. Dropping it stops the stage gracefully (as
+/// [`stop`](Self::stop) does) without waiting: a handle lost to a panic or an early return
+/// must not leave a consumer loop running, which would also keep its runtime from shutting
+/// down.
 pub struct RunningWorker {
     pub metrics: Metrics,
     pub health: Arc<Health>,
@@ -37,6 +40,7 @@ pub struct RunningWorker {
     pub metrics_addr: Option<SocketAddr>,
     stop: CancellationToken,
     done: JoinHandle<anyhow::Result<()>>,
+    _stop_on_drop: DropGuard,
 }
 
 impl RunningWorker {
@@ -182,6 +186,7 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         metrics,
         health,
         metrics_addr,
+        _stop_on_drop: stop.clone().drop_guard(),
         stop,
         done,
     })

@@ -80,7 +80,7 @@ async fn full_dispatchers_pause_and_resume_without_loss() {
             })
             .sum()
     };
-    sessionflow_tests::wait_until(Duration::from_secs(10), || lag_now() == 0)
+    sessionflow_tests::wait_until(Duration::from_secs(30), || lag_now() == 0)
         .await
         .expect("reported lag drops to 0");
     let paused_at_end = worker.metrics.paused_partitions.get();

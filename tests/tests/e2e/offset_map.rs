@@ -12,7 +12,7 @@ use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::mocking::MockCluster;
 use rdkafka::{Offset, TopicPartitionList};
-use sessionflow_tests::{builtin, unique, wait_until, RecordingHandler, Topics};
+use sessionflow_tests::{builtin, unique, wait_until, Gate, RecordingHandler, Topics};
 use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
 use sessionflow_worker::offset_map;
 
@@ -132,31 +132,28 @@ async fn a_restart_skips_what_the_commit_metadata_says_is_done() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_map_too_large_for_metadata_holds_intake_until_it_shrinks() {
     let (_cluster, brokers, topics) = mock_cluster("overflow");
-    // 30,000 sessions with one record each; every odd-numbered session hangs, so finished and
-    // unfinished offsets alternate: the map needs ~30,000 runs or a 3,750-byte bitset — more
-    // than commit metadata may hold.
+    // 30,000 sessions with one record each; every odd-numbered session is held in its handler
+    // until the test opens the gate, so finished and unfinished offsets alternate: the map
+    // needs ~30,000 runs or a 3,750-byte bitset — more than commit metadata may hold.
     let load = |records: u64, prefix: &str| LoadgenOptions {
         choice: SessionChoice::RoundRobin,
         session_prefix: prefix.into(),
         ..LoadgenOptions::new(&brokers, &topics.input, records, records)
     };
     loadgen::run(&load(30_000, "s-")).await.unwrap();
+    let gate = Gate::default();
     let handler = RecordingHandler::new(|s, q, _| Ok(Some(format!("{s}:{q}").into_bytes())))
-        .with_delay(|s, _| {
-            let n: u64 = s.trim_start_matches("s-").parse().unwrap_or(0);
-            if s.starts_with("s-") && n % 2 == 1 {
-                Duration::from_secs(3_600)
-            } else {
-                Duration::ZERO
-            }
-        });
+        .holding(
+            |s, _| {
+                s.strip_prefix("s-")
+                    .and_then(|n| n.parse::<u64>().ok())
+                    .is_some_and(|n| n % 2 == 1)
+            },
+            gate.clone(),
+        );
     let mut stage = topics.stage(builtin(0.0, 0.0));
     stage.brokers = brokers.clone();
     stage.max_in_flight_per_partition = 100_000;
-    stage.stuck = sessionflow_worker::config::StuckConfig {
-        timeout_ms: 15_000,
-        action: sessionflow_worker::config::StuckActionConfig::Dlq,
-    };
     stage
         .kafka
         .insert("session.timeout.ms".into(), "6000".into());
@@ -167,14 +164,19 @@ async fn a_map_too_large_for_metadata_holds_intake_until_it_shrinks() {
 
     // Once the map outgrows commit metadata the partition is held (possibly before all
     // 30,000 records are in).
-    wait_until(Duration::from_secs(60), || {
-        worker.metrics.paused_partitions.get() == 1 && worker.metrics.records_in.get() > 24_000
+    wait_until(Duration::from_secs(120), || {
+        worker.metrics.map_overflow_partitions.get() == 1
     })
     .await
-    .expect("the partition is held");
+    .expect("the map overflows");
+    assert_eq!(
+        worker.metrics.paused_partitions.get(),
+        1,
+        "the partition is held"
+    );
     // The commit falls back to the plain watermark (no metadata) while the map is too large;
-    // the watermark is offset 1, the first hung record (s-000001).
-    wait_until(Duration::from_secs(10), || {
+    // the watermark is offset 1, the first held record (s-000001).
+    wait_until(Duration::from_secs(60), || {
         committed(&brokers, &topics.group, &topics.input) == (1, String::new())
     })
     .await
@@ -189,13 +191,16 @@ async fn a_map_too_large_for_metadata_holds_intake_until_it_shrinks() {
         held_at,
         "intake was not held"
     );
-    // …and are once the hung records are let go (stuck → DLQ) and the map shrinks.
-    wait_until(Duration::from_secs(60), || {
+    assert_eq!(worker.metrics.map_overflow_partitions.get(), 1);
+    // …and are once the held records finish and the map shrinks.
+    gate.open();
+    wait_until(Duration::from_secs(120), || {
         committed(&brokers, &topics.group, &topics.input).0 == 31_000
     })
     .await
     .expect("intake resumed and the partition completed");
     assert_eq!(worker.metrics.records_in.get(), 31_000);
-    assert_eq!(worker.metrics.stuck_records.get(), 15_000);
+    assert_eq!(worker.metrics.map_overflow_partitions.get(), 0);
+    assert_eq!(worker.metrics.records_out.get(), 31_000);
     worker.shutdown().await.unwrap();
 }
