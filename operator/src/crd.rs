@@ -270,7 +270,7 @@ pub struct StageSpec {
     #[schemars(range(min = 1, max = 1024))]
     pub dispatchers: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    /// Records a dispatcher queues before its partitions are paused (worker default 1024).
+    /// Records a dispatcher queues before its partitions are held (worker default 1024).
     #[schemars(range(min = 1))]
     pub dispatcher_capacity: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -279,7 +279,7 @@ pub struct StageSpec {
     pub session_idle_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     /// Records between a partition's committed watermark and its newest record taken in;
-    /// beyond it the partition is paused. Bounds memory and replay after a crash.
+    /// beyond it the partition is held. Bounds memory and replay after a crash.
     #[schemars(range(min = 1))]
     pub max_in_flight_per_partition: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -377,7 +377,7 @@ pub struct StageStatus {
     /// Partitions of the stage's input topic.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub partitions: Option<i32>,
-    /// Partitions paused for backpressure, when known (workers export it as a metric; Kafka
+    /// Partitions held for backpressure, when known (workers export it as a metric; Kafka
     /// does not tell).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub paused_partitions: Option<i32>,

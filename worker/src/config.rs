@@ -55,7 +55,8 @@ pub struct StageConfig {
     /// Number of dispatcher tasks the sessions are hashed onto.
     #[serde(default = "defaults::dispatchers")]
     pub dispatchers: usize,
-    /// Capacity of each dispatcher's intake channel; full means backpressure.
+    /// Capacity of each dispatcher's intake channel; full means backpressure (the record's
+    /// partition is held until the channel has room).
     #[serde(default = "defaults::dispatcher_capacity")]
     pub dispatcher_capacity: usize,
     /// A session task with nothing to do for this long is removed.
@@ -63,7 +64,7 @@ pub struct StageConfig {
     pub session_idle_ms: u64,
     /// Records of one partition between the committed watermark and the newest record taken
     /// in (unfinished ones and finished ones above an unfinished one); beyond it the partition
-    /// is paused. It bounds memory and what a crash can replay.
+    /// is held (takes no records). It bounds memory and what a crash can replay.
     #[serde(default = "defaults::max_in_flight_per_partition")]
     pub max_in_flight_per_partition: usize,
     /// How often the lag of the assigned partitions is read from the broker.

@@ -1,9 +1,11 @@
 //! The consumer loop: fetch, track, route, commit — on one dedicated thread.
 //!
 //! One thread owns the Kafka consumer and everything about the partitions it holds: the offset
-//! tracker, each partition's lease and pending buffer, the pause state. It never waits on a
-//! session. Each turn it polls for a record (briefly), applies the completions that came back,
-//! drains pending buffers, and commits the contiguous watermarks when the interval is up.
+//! tracker, each partition's lease, pending buffer and hold. It never waits on a session. Each
+//! turn it serves the consumer's events, takes the records waiting in the queues of the
+//! partitions that are not held (each partition has its own queue, see `partition_queues`),
+//! applies the completions that came back, drains pending buffers, and commits the contiguous
+//! watermarks when the interval is up.
 //!
 //! It is a plain thread rather than a tokio task because librdkafka runs the rebalance callback
 //! *inside* `poll`, and on revocation that callback must wait (up to a deadline) for the
@@ -38,12 +40,17 @@ use crate::lag::Assigned;
 use crate::metrics::Metrics;
 use crate::offset_map::{self, DoneAbove};
 use crate::offsets::{OffsetTracker, Partition};
+use crate::partition_queues::{self, PartitionQueues};
 use crate::producer::StageProducer;
 use crate::record::{InputRecord, Lease};
 use crate::routing::SessionRouter;
 
-/// How long one `poll` may wait for a record before the loop does its other chores.
+/// How long an idle loop waits for records before it serves events and chores again.
 const POLL_TIMEOUT: Duration = Duration::from_millis(20);
+/// How long a loop with a held partition waits before it looks again whether it may take more.
+const HOLD_TICK: Duration = Duration::from_millis(1);
+/// Records taken from one partition's queue per turn: a fair share before the next partition.
+const BURST: usize = 256;
 /// How often a drain (revocation, shutdown) checks for completions.
 const DRAIN_CHECK: Duration = Duration::from_millis(50);
 /// How often the loop checks it can still reach the broker.
@@ -57,8 +64,6 @@ pub struct IntakeSettings {
     pub commit_interval: Duration,
     pub max_in_flight_per_partition: usize,
     pub dispatcher_capacity: usize,
-    /// Fraction of capacity under which a paused partition resumes.
-    pub resume_below: f64,
     /// Longest wait for a revoked partition's in-flight records.
     pub revoke_drain_timeout: Duration,
     /// Longest wait for in-flight records at shutdown.
@@ -76,7 +81,9 @@ pub fn consumer_config(
     c.set("bootstrap.servers", brokers)
         // Starting at the end would skip what was produced before the stage first ran.
         .set("auto.offset.reset", "earliest")
-        .set("queued.max.messages.kbytes", "16384");
+        // Each partition has its own queue (see `partition_queues`), so this bounds what is
+        // prefetched per assigned partition.
+        .set("queued.max.messages.kbytes", "4096");
     for (k, v) in extra {
         c.set(k, v);
     }
@@ -94,9 +101,8 @@ pub fn consumer_config(
 struct PartitionState {
     lease: Arc<Lease>,
     pending: PendingBuffer,
-    paused: bool,
-    /// The dispatcher that last refused a record of this partition.
-    blocked_on: Option<usize>,
+    /// Not taking records from its queue (see [`backpressure`]).
+    held: bool,
     /// Records taken in and neither completed nor released unprocessed.
     unreleased: usize,
     /// Offsets above the committed watermark that a previous owner finished (commit metadata).
@@ -113,6 +119,8 @@ struct Book {
     assigned: Assigned,
     tracker: OffsetTracker,
     partitions: HashMap<Partition, PartitionState>,
+    /// Bumped on every assignment change, so the loop knows to split off or drop queues.
+    assignment_version: u64,
     next_epoch: u64,
     completions: CompletionReceiver,
 }
@@ -239,8 +247,7 @@ impl IntakeContext {
                 PartitionState {
                     lease,
                     pending: PendingBuffer::default(),
-                    paused: false,
-                    blocked_on: None,
+                    held: false,
                     unreleased: 0,
                     done_above,
                     map_overflow: false,
@@ -248,19 +255,7 @@ impl IntakeContext {
             );
             tracing::info!(partition = p, "partition assigned");
         }
-        // librdkafka keeps a partition's paused flag across assignments: a partition paused
-        // for backpressure when it was revoked would come back paused, and our fresh state
-        // would never resume it. New assignments start fetching.
-        let mut fresh = TopicPartitionList::new();
-        for e in tpl.elements_for_topic(&self.settings.input) {
-            fresh.add_partition(&self.settings.input, e.partition());
-        }
-        drop(book);
-        if fresh.count() > 0 {
-            if let Err(e) = consumer.resume(&fresh) {
-                tracing::warn!(error = %e, "resuming newly assigned partitions failed");
-            }
-        }
+        book.assignment_version += 1;
     }
 
     /// The completed-offset maps committed for the newly assigned partitions (empty where the
@@ -338,6 +333,7 @@ impl IntakeContext {
             }
             tracing::info!(partition = p, unfinished, "partition revoked");
         }
+        book.assignment_version += 1;
         self.metrics.in_flight.set(book.tracker.in_flight() as i64);
     }
 }
@@ -385,8 +381,20 @@ impl ClientContext for IntakeContext {
 
 impl ConsumerContext for IntakeContext {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        if let Rebalance::Revoke(tpl) = rebalance {
-            self.on_revoke(consumer, tpl);
+        match rebalance {
+            Rebalance::Revoke(tpl) => self.on_revoke(consumer, tpl),
+            Rebalance::Assign(tpl) => {
+                for e in tpl.elements_for_topic(&self.settings.input) {
+                    if !partition_queues::detach_before_assign(
+                        consumer,
+                        &self.settings.input,
+                        e.partition(),
+                    ) {
+                        tracing::warn!(partition = e.partition(), "partition queue not detached");
+                    }
+                }
+            }
+            Rebalance::Error(_) => {}
         }
     }
 
@@ -419,7 +427,7 @@ impl ConsumerContext for IntakeContext {
 /// The consumer loop. Build it with [`IntakeLoop::new`], then [`IntakeLoop::run`] it on its own
 /// thread.
 pub struct IntakeLoop {
-    consumer: BaseConsumer<IntakeContext>,
+    consumer: Arc<BaseConsumer<IntakeContext>>,
     dispatchers: Vec<mpsc::Sender<InputRecord>>,
     router: SessionRouter,
     producer: StageProducer,
@@ -449,6 +457,7 @@ impl IntakeLoop {
                 assigned,
                 tracker: OffsetTracker::new(),
                 partitions: HashMap::new(),
+                assignment_version: 0,
                 next_epoch: 0,
                 completions,
             }),
@@ -457,7 +466,8 @@ impl IntakeLoop {
             health,
             closing: AtomicBool::new(false),
         };
-        let consumer: BaseConsumer<IntakeContext> = config.create_with_context(context)?;
+        let consumer: Arc<BaseConsumer<IntakeContext>> =
+            Arc::new(config.create_with_context(context)?);
         let router = SessionRouter::new(dispatchers.len());
         Ok(Self {
             consumer,
@@ -483,31 +493,33 @@ impl IntakeLoop {
             tracing::error!(error = %e, "subscribe failed");
             return self.close();
         }
+        let mut queues = PartitionQueues::new(self.consumer.clone(), &self.ctx().settings.input);
+        let mut seen_assignment = 0;
         let mut last_commit = Instant::now();
         let mut last_health = Instant::now();
         while !self.stop.is_cancelled() {
             self.ctx().health.beat();
-            if let Some(polled) = self.consumer.poll(POLL_TIMEOUT) {
-                match polled {
-                    Ok(message) => {
-                        self.intake(&message);
-                        // Take a burst of already-fetched records before the chores.
-                        for _ in 0..256 {
-                            match self.consumer.poll(Duration::ZERO) {
-                                Some(Ok(m)) => self.intake(&m),
-                                Some(Err(e)) => {
-                                    tracing::warn!(error = %e, "consume error");
-                                    break;
-                                }
-                                None => break,
-                            }
-                        }
-                    }
-                    Err(e) => tracing::warn!(error = %e, "consume error"),
+            // Events (rebalances run in here) and records not in a partition queue yet; after a
+            // queue is split off, the main queue once more: its records of that partition are
+            // older than any in the new queue.
+            let mut took = self.drain_main_queue();
+            loop {
+                let (version, assigned) = {
+                    let book = self.ctx().book();
+                    let assigned: Vec<Partition> = book.partitions.keys().copied().collect();
+                    (book.assignment_version, assigned)
+                };
+                if version == seen_assignment {
+                    break;
+                }
+                seen_assignment = version;
+                if queues.sync(&assigned) {
+                    took |= self.drain_main_queue();
                 }
             }
+            took |= self.take_from_partitions(&queues);
             self.ctx().book().apply_ready(&self.ctx().metrics);
-            self.relieve_pressure();
+            let (holding, released) = self.relieve_pressure();
             if last_commit.elapsed() >= self.ctx().settings.commit_interval {
                 self.commit(CommitMode::Async, false);
                 last_commit = Instant::now();
@@ -516,24 +528,74 @@ impl IntakeLoop {
                 self.check_broker();
                 last_health = Instant::now();
             }
+            // A released partition may have records waiting: its queue rings nobody (it never
+            // went empty), so look at once.
+            if !took && !released {
+                queues.wait(if holding { HOLD_TICK } else { POLL_TIMEOUT });
+            }
         }
+        drop(queues);
         self.shutdown();
     }
 
-    /// Takes one record in: track it, then route it, park it, or dead-letter it.
-    fn intake(&self, message: &BorrowedMessage<'_>) {
+    /// Serves the consumer's events and takes every record waiting in its main queue. True
+    /// when a record was taken.
+    fn drain_main_queue(&self) -> bool {
+        let mut took = false;
+        while let Some(polled) = self.consumer.poll(Duration::ZERO) {
+            match polled {
+                Ok(message) => {
+                    self.intake(&message);
+                    took = true;
+                }
+                Err(e) => tracing::warn!(error = %e, "consume error"),
+            }
+        }
+        took
+    }
+
+    /// Takes up to a burst of waiting records from each partition that is not held. True when
+    /// a record was taken.
+    fn take_from_partitions(&self, queues: &PartitionQueues<IntakeContext>) -> bool {
+        let mut took = false;
+        for p in queues.partitions() {
+            if self.ctx().book().partitions.get(&p).is_none_or(|s| s.held) {
+                continue;
+            }
+            for _ in 0..BURST {
+                match queues.poll(p) {
+                    Some(Ok(message)) => {
+                        took = true;
+                        if self.intake(&message) {
+                            break;
+                        }
+                    }
+                    Some(Err(e)) => {
+                        tracing::warn!(error = %e, partition = p, "consume error");
+                        break;
+                    }
+                    None => break,
+                }
+            }
+        }
+        took
+    }
+
+    /// Takes one record in: track it, then route it, park it, or dead-letter it. True when its
+    /// partition is held now.
+    fn intake(&self, message: &BorrowedMessage<'_>) -> bool {
         let ctx = self.consumer.context();
         let partition = message.partition();
         let offset = message.offset();
         let mut book = ctx.book();
         let book = &mut *book;
         let Some(state) = book.partitions.get_mut(&partition) else {
-            return; // a late record of a partition no longer assigned here
+            return false; // a late record of a partition no longer assigned here
         };
         let lease = state.lease.clone();
         if book.tracker.begin(partition, offset).is_err() {
-            // Already taken in (a re-fetch after pause/resume); never process twice.
-            return;
+            // Already taken in (a record fetched again); never process twice.
+            return state.held;
         }
         ctx.metrics.records_in.inc();
         if state.done_above.is_done(offset) {
@@ -541,7 +603,7 @@ impl IntakeLoop {
             // the watermark moves over it.
             ctx.metrics.replay_skipped.inc();
             let _ = book.tracker.complete(partition, offset);
-            return;
+            return state.held;
         }
         state.unreleased += 1;
         let record =
@@ -558,7 +620,7 @@ impl IntakeLoop {
                     )
                     .await;
             });
-        } else if state.paused || !state.pending.is_empty() {
+        } else if !state.pending.is_empty() {
             state.pending.park(record);
         } else {
             let d = self
@@ -566,99 +628,63 @@ impl IntakeLoop {
                 .route(record.session.as_deref().unwrap_or_default());
             match offer(&self.dispatchers[d], record) {
                 Offer::Taken => {}
-                Offer::Full(record) => {
-                    state.blocked_on = Some(d);
-                    state.pending.park(record);
-                }
+                Offer::Full(record) => state.pending.park(record),
                 Offer::Closed(_) => state.unreleased -= 1,
             }
         }
         let span = book.tracker.partition(partition).map_or(0, |p| p.span());
-        if !state.paused
-            && (state.map_overflow
-                || backpressure::should_pause(
-                    state.pending.len(),
-                    backpressure::park_limit(ctx.settings.dispatcher_capacity),
-                    span,
-                    ctx.settings.max_in_flight_per_partition,
-                ))
+        if state.map_overflow
+            || backpressure::should_hold(
+                state.pending.len(),
+                span,
+                ctx.settings.max_in_flight_per_partition,
+            )
         {
-            state.paused = true;
-            pause_partition(&self.consumer, &book.topic, partition, true);
+            state.held = true;
         }
+        state.held
     }
 
-    /// Moves parked records on and resumes partitions whose pressure is gone.
-    fn relieve_pressure(&self) {
+    /// Moves parked records on, and lets held partitions take records again once their
+    /// pressure has eased. Returns whether a partition is still held, and whether one was
+    /// released.
+    fn relieve_pressure(&self) -> (bool, bool) {
         let ctx = self.consumer.context();
         let mut book = ctx.book();
         let book = &mut *book;
-        let mut paused = 0;
-        let mut pending_total = 0;
+        let cap = ctx.settings.max_in_flight_per_partition;
+        let (mut held, mut overflowing, mut pending_total) = (0, 0, 0);
+        let mut released = false;
         for (p, state) in book.partitions.iter_mut() {
-            if state.map_overflow && !state.paused {
-                // The last commit could not carry the completed-offset map: hold intake now
-                // rather than at the partition's next record.
-                state.paused = true;
-                pause_partition(&self.consumer, &book.topic, *p, true);
-            }
-            if !state.paused && state.pending.is_empty() {
-                continue;
-            }
-            let (_, closed) = state.pending.drain(|record| {
-                let d = self
-                    .router
-                    .route(record.session.as_deref().unwrap_or_default());
-                let result = offer(&self.dispatchers[d], record);
-                if matches!(result, Offer::Full(_)) {
-                    state.blocked_on = Some(d);
-                }
-                result
-            });
-            state.unreleased = state.unreleased.saturating_sub(closed.len());
-            if !state.paused {
-                // Parked without a pause: what is still parked waits for the next round.
-                pending_total += state.pending.len();
-                if state.pending.is_empty() {
-                    state.blocked_on = None;
-                }
-                continue;
+            if !state.pending.is_empty() {
+                let (_, closed) = state.pending.drain(|record| {
+                    let d = self
+                        .router
+                        .route(record.session.as_deref().unwrap_or_default());
+                    offer(&self.dispatchers[d], record)
+                });
+                state.unreleased = state.unreleased.saturating_sub(closed.len());
             }
             let span = book.tracker.partition(*p).map_or(0, |o| o.span());
-            let (free, capacity) = state.blocked_on.map_or(
-                (
-                    ctx.settings.dispatcher_capacity,
-                    ctx.settings.dispatcher_capacity,
-                ),
-                |d| {
-                    (
-                        self.dispatchers[d].capacity(),
-                        self.dispatchers[d].max_capacity(),
-                    )
-                },
-            );
-            if !state.map_overflow
-                && backpressure::may_resume(
-                    state.pending.len(),
-                    span,
-                    ctx.settings.max_in_flight_per_partition,
-                    free,
-                    capacity,
-                    ctx.settings.resume_below,
-                )
-            {
-                state.paused = false;
-                state.blocked_on = None;
-                pause_partition(&self.consumer, &book.topic, *p, false);
+            let pending = state.pending.len();
+            if state.map_overflow {
+                // The last commit could not carry the completed-offset map: hold now rather
+                // than at the partition's next record, until a commit carries one again.
+                state.held = true;
+                overflowing += 1;
+            } else if state.held {
+                state.held = !backpressure::may_take_again(pending, span, cap);
+                released |= !state.held;
             } else {
-                paused += 1;
-                pending_total += state.pending.len();
+                state.held = backpressure::should_hold(pending, span, cap);
             }
+            held += usize::from(state.held);
+            pending_total += pending;
         }
-        let overflowing = book.partitions.values().filter(|s| s.map_overflow).count();
-        ctx.metrics.paused_partitions.set(paused);
-        ctx.metrics.map_overflow_partitions.set(overflowing as i64);
+        ctx.metrics.paused_partitions.set(held as i64);
+        ctx.metrics.map_overflow_partitions.set(overflowing);
         ctx.metrics.pending_records.set(pending_total as i64);
+        (held > 0, released)
     }
 
     fn commit(&self, mode: CommitMode, force: bool) {
@@ -765,24 +791,5 @@ fn offer(dispatcher: &mpsc::Sender<InputRecord>, record: InputRecord) -> Offer {
         Ok(()) => Offer::Taken,
         Err(mpsc::error::TrySendError::Full(r)) => Offer::Full(r),
         Err(mpsc::error::TrySendError::Closed(r)) => Offer::Closed(r),
-    }
-}
-
-fn pause_partition(
-    consumer: &BaseConsumer<IntakeContext>,
-    topic: &str,
-    partition: Partition,
-    pause: bool,
-) {
-    let mut tpl = TopicPartitionList::new();
-    tpl.add_partition(topic, partition);
-    let result = if pause {
-        consumer.pause(&tpl)
-    } else {
-        consumer.resume(&tpl)
-    };
-    match result {
-        Ok(()) => tracing::debug!(partition, pause, "partition fetch state changed"),
-        Err(e) => tracing::warn!(error = %e, partition, pause, "pause/resume failed"),
     }
 }

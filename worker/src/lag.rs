@@ -1,7 +1,7 @@
 //! Consumer lag as the broker sees it: high watermark minus committed offset, per partition.
 //!
 //! Read from the broker, not from the worker's fetch position, so it stays true while a
-//! partition is paused for backpressure (a paused consumer fetches nothing, yet its lag grows).
+//! partition is held for backpressure (a held partition takes nothing in, yet its lag grows).
 //! A partition without a committed offset counts from its low watermark: with
 //! `auto.offset.reset=earliest` that is where the group will start.
 //!

@@ -75,7 +75,8 @@ impl Metrics {
         let active_sessions = gauge("active_sessions", "Session tasks alive.");
         let paused_partitions = gauge(
             "paused_partitions",
-            "Input partitions paused for backpressure.",
+            "Input partitions held: not taking records in (backpressure, or a completed-offset \
+             map too large for commit metadata).",
         );
         let map_overflow_partitions = gauge(
             "offset_map_overflow_partitions",
@@ -84,7 +85,7 @@ impl Metrics {
         );
         let pending_records = gauge(
             "pending_records",
-            "Records parked in paused partitions' pending buffers.",
+            "Records parked in held partitions' pending buffers.",
         );
         let dlq = IntCounterVec::new(
             Opts::new("dlq_total", "Records written to the DLQ, by reason."),

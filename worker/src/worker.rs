@@ -133,7 +133,6 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         commit_interval: Duration::from_millis(config.commit_interval_ms),
         max_in_flight_per_partition: config.max_in_flight_per_partition,
         dispatcher_capacity: config.dispatcher_capacity,
-        resume_below: 0.5,
         revoke_drain_timeout: Duration::from_millis(config.rebalance.drain_timeout_ms),
         shutdown_timeout: Duration::from_millis(config.shutdown_timeout_ms),
     };
@@ -165,6 +164,10 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         stop.clone(),
         abort.clone(),
     )?;
+    tokio::spawn(crate::memory::trim_after_reaps(
+        metrics.active_sessions.clone(),
+        server_stop.clone(),
+    ));
     let thread = std::thread::Builder::new()
         .name(format!("intake-{}", config.stage))
         .spawn(move || intake.run())?;

@@ -187,8 +187,8 @@ fn dashboard_has_a_panel_for_every_topic() {
             && e.iter()
                 .any(|e| e.contains("sessionflow_dlq_total") && e.contains("reason)"))
     });
-    find("paused partitions", &|t, e| {
-        t.contains("paused") && any(e, "sessionflow_paused_partitions")
+    find("held partitions", &|t, e| {
+        t.contains("held") && any(e, "sessionflow_paused_partitions")
     });
     find("stuck records", &|t, e| {
         t.contains("stuck") && any(e, "sessionflow_stuck_records")

@@ -1,5 +1,6 @@
-//! Backpressure: with tiny dispatcher channels and a slow handler the partitions are paused,
-//! their fetched records parked, and resumed — nothing dropped, order kept, memory bounded.
+//! Backpressure: with tiny dispatcher channels and a slow handler the partitions are held
+//! (nothing more taken from their queues), a record parked, and released — nothing dropped,
+//! order kept, memory bounded.
 
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
@@ -10,7 +11,7 @@ use sessionflow_tests::{builtin, verify_pipeline, RecordingHandler, Topics};
 use crate::produce_round_robin;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn full_dispatchers_pause_and_resume_without_loss() {
+async fn full_dispatchers_hold_and_release_partitions_without_loss() {
     let topics = Topics::create("backpressure", 2).await;
     produce_round_robin(&topics, 50, 20).await;
     let handler = RecordingHandler::new(|s, q, _| Ok(Some(format!("{s}:{q}").into_bytes())))
@@ -24,7 +25,7 @@ async fn full_dispatchers_pause_and_resume_without_loss() {
         .unwrap();
 
     // Sample the worker's own gauges while it runs.
-    let (max_paused, max_pending, max_in_flight, lag_while_paused) = (
+    let (max_held, max_pending, max_in_flight, lag_while_held) = (
         Arc::new(AtomicI64::new(0)),
         Arc::new(AtomicI64::new(0)),
         Arc::new(AtomicI64::new(0)),
@@ -35,19 +36,19 @@ async fn full_dispatchers_pause_and_resume_without_loss() {
         let m = worker.metrics.clone();
         let input = topics.input.clone();
         let (p, q, f, l, d) = (
-            max_paused.clone(),
+            max_held.clone(),
             max_pending.clone(),
             max_in_flight.clone(),
-            lag_while_paused.clone(),
+            lag_while_held.clone(),
             done.clone(),
         );
         tokio::spawn(async move {
             while !d.load(Ordering::Relaxed) {
-                let paused = m.paused_partitions.get();
-                p.fetch_max(paused, Ordering::Relaxed);
-                if paused > 0 {
+                let held = m.paused_partitions.get();
+                p.fetch_max(held, Ordering::Relaxed);
+                if held > 0 {
                     // The lag gauge comes from the broker on its own timer: it must keep
-                    // reporting the backlog while fetching is paused.
+                    // reporting the backlog while partitions are held.
                     let lag: i64 = (0..2)
                         .filter_map(|part| {
                             m.partition_lag
@@ -83,31 +84,28 @@ async fn full_dispatchers_pause_and_resume_without_loss() {
     sessionflow_tests::wait_until(Duration::from_secs(30), || lag_now() == 0)
         .await
         .expect("reported lag drops to 0");
-    let paused_at_end = worker.metrics.paused_partitions.get();
+    let held_at_end = worker.metrics.paused_partitions.get();
     worker.shutdown().await.unwrap();
 
-    let (paused, pending, in_flight) = (
-        max_paused.load(Ordering::Relaxed),
+    let (held, pending, in_flight) = (
+        max_held.load(Ordering::Relaxed),
         max_pending.load(Ordering::Relaxed),
         max_in_flight.load(Ordering::Relaxed),
     );
     eprintln!(
-        "max paused partitions {paused}, max parked records {pending}, max in flight {in_flight}"
+        "max held partitions {held}, max parked records {pending}, max in flight {in_flight}"
     );
-    assert!(paused >= 1, "the partitions were never paused");
+    assert!(held >= 1, "the partitions were never held");
     assert!(
-        lag_while_paused.load(Ordering::Relaxed) > 0,
-        "no lag reported while paused"
+        lag_while_held.load(Ordering::Relaxed) > 0,
+        "no lag reported while held"
     );
-    assert_eq!(paused_at_end, 0, "a partition stayed paused");
-    // Bounded: records in flight stay under the per-partition cap plus what was parked, and
-    // parked records are few (librdkafka drops its prefetched records of a partition when it
-    // is paused, and fetches them again on resume) — not the 1,000 waiting in the topic.
-    assert!(pending <= 64, "{pending} records parked");
-    assert!(
-        in_flight <= 2 * 64 + pending,
-        "{in_flight} records in flight"
-    );
+    assert_eq!(held_at_end, 0, "a partition stayed held");
+    // Bounded: a partition is held at its first parked record and at its in-flight cap, so
+    // at most one record per partition is parked and at most the cap is in flight — not the
+    // 1,000 waiting in the topic.
+    assert!(pending <= 2, "{pending} records parked");
+    assert!(in_flight <= 2 * 64, "{in_flight} records in flight");
     let report = verify_pipeline(&topics);
     assert!(report.is_ok(), "{report}");
     assert_eq!((report.records, report.duplicates), (1_000, 0), "{report}");

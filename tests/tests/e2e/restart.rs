@@ -68,7 +68,7 @@ async fn five_kills_lose_nothing_and_replay_at_most_the_in_flight_window() {
     assert!(report.is_ok(), "{report}");
     assert_eq!(report.records - report.duplicates, 20_000, "{report}");
     // A kill replays at most what lay between the committed watermark and the newest record
-    // taken in, per partition: maxInFlightPerPartition (plus records parked while paused,
+    // taken in, per partition: maxInFlightPerPartition (plus a record parked while held,
     // and the commit interval's worth of progress).
     assert_replays_within(&report, kills * 8 * (max_in_flight as u64 + 100));
     topics.delete().await;

@@ -1,0 +1,177 @@
+//! One librdkafka queue per assigned partition, so that partitions wait independently.
+//!
+//! By default librdkafka hands out every partition's fetched records through the consumer's
+//! single queue, in the order the fetch responses came: thousands of one partition's records,
+//! then thousands of the next one's. When one partition must wait (its sessions are behind and
+//! its in-flight limit is reached), every record queued behind its own waits too, whatever its
+//! partition. Splitting each assigned partition into its own queue removes that head-of-line
+//! blocking: the consumer loop takes records from the partitions that may take them and leaves
+//! the others alone, and librdkafka stops fetching a partition once its queue is full
+//! (`queued.max.messages.kbytes`, per partition once split).
+//!
+//! The consumer's main queue then carries only events (rebalances, errors). A partition's
+//! queue is detached from the main queue in the rebalance callback *before* the partition is
+//! assigned ([`detach_before_assign`]): librdkafka keeps an application-set forward when it
+//! starts fetching, so not one record of the partition goes through the main queue. Should one
+//! ever do (a partition not detached), it is older than anything in the partition's own queue,
+//! so the loop drains the main queue after every split before it reads a partition queue;
+//! [`PartitionQueues::sync`] reports a split for that.
+
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use rdkafka::consumer::base_consumer::PartitionQueue;
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
+use rdkafka::error::KafkaResult;
+use rdkafka::message::BorrowedMessage;
+
+use crate::offsets::Partition;
+
+/// Rung (from librdkafka's threads) when a partition queue gets records while empty.
+#[derive(Debug, Default)]
+pub struct Doorbell {
+    rung: Mutex<bool>,
+    ring: Condvar,
+}
+
+impl Doorbell {
+    pub fn ring(&self) {
+        *self.rung.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        self.ring.notify_one();
+    }
+
+    /// Waits until rung (since the last wait) or `timeout`; true when rung.
+    pub fn wait(&self, timeout: Duration) -> bool {
+        let rung = self.rung.lock().unwrap_or_else(|p| p.into_inner());
+        let (mut rung, _) = self
+            .ring
+            .wait_timeout_while(rung, timeout, |rung| !*rung)
+            .unwrap_or_else(|p| p.into_inner());
+        std::mem::take(&mut *rung)
+    }
+}
+
+/// Detaches `partition`'s fetch queue from the consumer's main queue, so that its records stay
+/// in its own queue from the first fetch on. For the rebalance callback, before the partition
+/// is assigned: it has the consumer only by reference, not the `Arc` that
+/// [`PartitionQueues::sync`] needs to hand out a queue. False when librdkafka knows no such
+/// partition.
+pub fn detach_before_assign<C: ConsumerContext>(
+    consumer: &BaseConsumer<C>,
+    topic: &str,
+    partition: Partition,
+) -> bool {
+    let Ok(topic) = CString::new(topic) else {
+        return false;
+    };
+    use rdkafka::bindings::{
+        rd_kafka_queue_destroy, rd_kafka_queue_forward, rd_kafka_queue_get_partition,
+    };
+    // SAFETY: the client pointer is valid while `consumer` is borrowed. The queue handle is
+    // our own reference to the partition's fetch queue, released right after use; forwarding
+    // it to nothing is what rdkafka's own `split_partition_queue` does.
+    unsafe {
+        let queue =
+            rd_kafka_queue_get_partition(consumer.client().native_ptr(), topic.as_ptr(), partition);
+        if queue.is_null() {
+            return false;
+        }
+        rd_kafka_queue_forward(queue, std::ptr::null_mut());
+        rd_kafka_queue_destroy(queue);
+    }
+    true
+}
+
+/// The split-off queues of the partitions currently assigned.
+pub struct PartitionQueues<C: ConsumerContext + 'static> {
+    consumer: Arc<BaseConsumer<C>>,
+    topic: String,
+    queues: BTreeMap<Partition, PartitionQueue<C>>,
+    doorbell: Arc<Doorbell>,
+}
+
+impl<C: ConsumerContext + 'static> PartitionQueues<C> {
+    pub fn new(consumer: Arc<BaseConsumer<C>>, topic: &str) -> Self {
+        Self {
+            consumer,
+            topic: topic.to_owned(),
+            queues: BTreeMap::new(),
+            doorbell: Arc::default(),
+        }
+    }
+
+    /// Splits off the queues of newly `assigned` partitions and forgets those of partitions no
+    /// longer assigned. True when a queue was split off: drain the main queue before reading
+    /// any partition queue.
+    pub fn sync(&mut self, assigned: &[Partition]) -> bool {
+        self.queues.retain(|p, _| assigned.contains(p));
+        let mut split = false;
+        for &p in assigned {
+            if self.queues.contains_key(&p) {
+                continue;
+            }
+            match self.consumer.split_partition_queue(&self.topic, p) {
+                Some(mut queue) => {
+                    let bell = self.doorbell.clone();
+                    queue.set_nonempty_callback(move || bell.ring());
+                    self.queues.insert(p, queue);
+                    split = true;
+                }
+                // Only for an invalid topic name or partition; its records (if any) keep
+                // arriving through the main queue, which the loop reads anyway.
+                None => tracing::error!(partition = p, "could not split off the partition's queue"),
+            }
+        }
+        if split {
+            // Records that arrived before the split may have rung nobody.
+            self.doorbell.ring();
+        }
+        split
+    }
+
+    /// The partitions with a queue, ascending.
+    pub fn partitions(&self) -> impl Iterator<Item = Partition> + '_ {
+        self.queues.keys().copied()
+    }
+
+    /// The next record of `partition`'s queue, if one is there now.
+    pub fn poll(&self, partition: Partition) -> Option<KafkaResult<BorrowedMessage<'_>>> {
+        self.queues.get(&partition)?.poll(Duration::ZERO)
+    }
+
+    /// Waits until a partition queue gets records, or `timeout`.
+    pub fn wait(&self, timeout: Duration) {
+        self.doorbell.wait(timeout);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_ring_before_the_wait_is_kept_and_used_up_once() {
+        let bell = Doorbell::default();
+        assert!(!bell.wait(Duration::ZERO), "nobody rang");
+        bell.ring();
+        bell.ring();
+        assert!(bell.wait(Duration::from_secs(60)));
+        assert!(
+            !bell.wait(Duration::from_millis(1)),
+            "two rings wake one wait"
+        );
+    }
+
+    #[test]
+    fn a_ring_from_another_thread_wakes_the_waiter() {
+        let bell = Arc::new(Doorbell::default());
+        let ringer = {
+            let bell = bell.clone();
+            std::thread::spawn(move || bell.ring())
+        };
+        assert!(bell.wait(Duration::from_secs(60)));
+        ringer.join().unwrap();
+    }
+}
