@@ -347,9 +347,10 @@ fn scenario_table(o: &Outcome, md: &mut String) {
                 let _ = writeln!(
                     md,
                     "| RSS at rest before | peak RSS | RSS after idle reap | after reap ÷ before | \
-                     peak live sessions | reap took | diagnostic: RSS after malloc_trim(0) |\n\
+                     peak live sessions | reap took | diagnostic: heap still allocated after \
+                     the reap |\n\
                      |---:|---:|---:|---:|---:|---:|---:|\n\
-                     | {} MiB | {} MiB | {} MiB | {} | {} | {:.1} s | {} MiB |\n",
+                     | {} MiB | {} MiB | {} MiB | {} | {} | {:.1} s | {} |\n",
                     mib(mem.baseline_rss),
                     mib(mem.peak_rss),
                     mib(mem.after_reap_rss),
@@ -359,7 +360,8 @@ fn scenario_table(o: &Outcome, md: &mut String) {
                     )),
                     fmt_int(mem.peak_sessions as f64),
                     mem.reap_secs,
-                    mib(mem.after_trim_rss),
+                    mem.live_heap
+                        .map_or("—".to_string(), |b| format!("{:.1} MiB", b as f64 / 1048576.0)),
                 );
             }
         }

@@ -80,8 +80,10 @@ pub struct Memory {
     pub peak_rss: u64,
     /// Every session reaped after the load.
     pub after_reap_rss: u64,
-    /// Diagnostic: after asking glibc to return free memory (`malloc_trim(0)`).
-    pub after_trim_rss: u64,
+    /// Diagnostic: heap bytes still allocated after the reap (glibc's `mallinfo2`), to tell
+    /// memory the engine keeps from pages the allocator keeps; `None` elsewhere than glibc.
+    #[serde(default)]
+    pub live_heap: Option<u64>,
     pub peak_sessions: i64,
     /// From the last record to the last session reaped.
     pub reap_secs: f64,
@@ -195,7 +197,7 @@ pub async fn child(spec: RunSpec) -> anyhow::Result<()> {
         m.after_reap_rss = rss().now;
         m.peak_rss = peak.max(peak_rss.load(Ordering::Acquire));
         m.peak_sessions = peak_sessions.load(Ordering::Acquire);
-        m.after_trim_rss = trimmed_rss();
+        m.live_heap = live_heap();
     }
     sampling.cancel();
 
@@ -225,15 +227,15 @@ pub async fn child(spec: RunSpec) -> anyhow::Result<()> {
 }
 
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn trimmed_rss() -> u64 {
-    // SAFETY: malloc_trim only releases free heap memory back to the kernel.
-    unsafe { libc::malloc_trim(0) };
-    rss().now
+fn live_heap() -> Option<u64> {
+    // SAFETY: mallinfo2 only reads the allocator's statistics.
+    let info = unsafe { libc::mallinfo2() };
+    Some((info.uordblks + info.hblkhd) as u64)
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn trimmed_rss() -> u64 {
-    rss().now
+fn live_heap() -> Option<u64> {
+    None
 }
 
 async fn wait_for(what: &str, mut done: impl FnMut() -> bool) -> anyhow::Result<()> {

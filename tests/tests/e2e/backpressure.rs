@@ -1,12 +1,14 @@
 //! Backpressure: with tiny dispatcher channels and a slow handler the partitions are held
 //! (nothing more taken from their queues), a record parked, and released — nothing dropped,
-//! order kept, memory bounded.
+//! order kept, memory bounded. A held partition holds only itself: the others' records do not
+//! wait behind its own.
 
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use sessionflow_tests::{builtin, verify_pipeline, RecordingHandler, Topics};
+use sessionflow_tests::{brokers, builtin, verify_pipeline, Gate, RecordingHandler, Topics};
+use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
 
 use crate::produce_round_robin;
 
@@ -20,6 +22,8 @@ async fn full_dispatchers_hold_and_release_partitions_without_loss() {
     stage.dispatchers = 1;
     stage.dispatcher_capacity = 2;
     stage.max_in_flight_per_partition = 64;
+    // Holds are short and frequent here: read the lag often enough to see one.
+    stage.lag_interval_ms = 50;
     let worker = sessionflow_worker::start(stage, handler.clone())
         .await
         .unwrap();
@@ -109,6 +113,63 @@ async fn full_dispatchers_hold_and_release_partitions_without_loss() {
     let report = verify_pipeline(&topics);
     assert!(report.is_ok(), "{report}");
     assert_eq!((report.records, report.duplicates), (1_000, 0), "{report}");
+    assert!(
+        handler.order_problems().is_empty(),
+        "{:?}",
+        handler.order_problems()
+    );
+    topics.delete().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_partition_does_not_hold_the_others() {
+    let topics = Topics::create("held-alone", 2).await;
+    produce_round_robin(&topics, 20, 100).await;
+    // session-000000's first record never finishes until the gate opens: its partition reaches
+    // its in-flight cap and is held, with most of its records still waiting in librdkafka.
+    let gate = Gate::default();
+    let handler = RecordingHandler::new(|s, q, _| Ok(Some(format!("{s}:{q}").into_bytes())))
+        .holding(|s, q| s == "session-000000" && q == 1, gate.clone());
+    let mut stage = topics.stage(builtin(0.0, 0.0));
+    stage.max_in_flight_per_partition = 50;
+    let worker = sessionflow_worker::start(stage, handler.clone())
+        .await
+        .unwrap();
+    sessionflow_tests::wait_until(Duration::from_secs(60), || {
+        worker.metrics.paused_partitions.get() == 1
+    })
+    .await
+    .expect("the hung session's partition is held");
+    // Records produced now, to both partitions, arrive behind the held partition's waiting
+    // ones. The other partition takes its own and finishes them.
+    let late = LoadgenOptions {
+        choice: SessionChoice::RoundRobin,
+        session_prefix: "late-".into(),
+        ..LoadgenOptions::new(&brokers(), &topics.input, 200, 20)
+    };
+    loadgen::run(&late).await.unwrap();
+    let ends = topics.end_offsets(&topics.input);
+    let free = sessionflow_tests::wait_until(Duration::from_secs(60), || {
+        let committed = topics.committed();
+        (0..2).any(|p| committed[p] == ends[p])
+    })
+    .await;
+    let committed = topics.committed();
+    assert!(
+        free.is_ok(),
+        "no partition finished while one was held: committed {committed:?}, ends {ends:?}"
+    );
+    assert_eq!(worker.metrics.paused_partitions.get(), 1);
+    assert!(
+        (0..2).any(|p| committed[p] < ends[p]),
+        "the held partition cannot have finished: {committed:?}"
+    );
+    gate.open();
+    topics.wait_fully_committed(Duration::from_secs(60)).await;
+    worker.shutdown().await.unwrap();
+    let report = verify_pipeline(&topics);
+    assert!(report.is_ok(), "{report}");
+    assert_eq!((report.records, report.duplicates), (2_200, 0), "{report}");
     assert!(
         handler.order_problems().is_empty(),
         "{:?}",
