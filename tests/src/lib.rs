@@ -322,6 +322,12 @@ impl RecordingHandler {
         })
     }
 
+    /// Fails the test with the problems [`order_problems`](Self::order_problems) finds.
+    pub fn assert_in_order(&self) {
+        let problems = self.order_problems();
+        assert!(problems.is_empty(), "{problems:?}");
+    }
+
     /// Checks that every session's first attempts saw seq 1, 2, 3… and retries repeated the
     /// record in front of them. Returns the problems found.
     pub fn order_problems(&self) -> Vec<String> {

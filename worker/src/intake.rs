@@ -63,7 +63,6 @@ pub struct IntakeSettings {
     pub session: SessionSource,
     pub commit_interval: Duration,
     pub max_in_flight_per_partition: usize,
-    pub dispatcher_capacity: usize,
     /// Longest wait for a revoked partition's in-flight records.
     pub revoke_drain_timeout: Duration,
     /// Longest wait for in-flight records at shutdown.
@@ -504,14 +503,16 @@ impl IntakeLoop {
             // older than any in the new queue.
             let mut took = self.drain_main_queue();
             loop {
-                let (version, assigned) = {
+                let changed = {
                     let book = self.ctx().book();
-                    let assigned: Vec<Partition> = book.partitions.keys().copied().collect();
-                    (book.assignment_version, assigned)
+                    (book.assignment_version != seen_assignment).then(|| {
+                        let assigned: Vec<Partition> = book.partitions.keys().copied().collect();
+                        (book.assignment_version, assigned)
+                    })
                 };
-                if version == seen_assignment {
+                let Some((version, assigned)) = changed else {
                     break;
-                }
+                };
                 seen_assignment = version;
                 if queues.sync(&assigned) {
                     took |= self.drain_main_queue();

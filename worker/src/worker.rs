@@ -132,7 +132,6 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         session: config.session.clone(),
         commit_interval: Duration::from_millis(config.commit_interval_ms),
         max_in_flight_per_partition: config.max_in_flight_per_partition,
-        dispatcher_capacity: config.dispatcher_capacity,
         revoke_drain_timeout: Duration::from_millis(config.rebalance.drain_timeout_ms),
         shutdown_timeout: Duration::from_millis(config.shutdown_timeout_ms),
     };

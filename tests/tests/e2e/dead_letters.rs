@@ -101,11 +101,7 @@ async fn failures_reach_the_dlq_with_their_headers_and_the_session_goes_on() {
             format!("{}:{}", r.session.as_deref().unwrap(), r.seq.unwrap()).into_bytes()
         );
     }
-    assert!(
-        handler.order_problems().is_empty(),
-        "{:?}",
-        handler.order_problems()
-    );
+    handler.assert_in_order();
     topics.delete().await;
 }
 

@@ -58,11 +58,7 @@ async fn a_slow_session_does_not_delay_the_others() {
         "the others finished only after the slow session ({slow_progress} of its records done; \
          others done after {others_done:?})"
     );
-    assert!(
-        handler.order_problems().is_empty(),
-        "{:?}",
-        handler.order_problems()
-    );
+    handler.assert_in_order();
     worker.shutdown().await.unwrap();
     topics.delete().await;
 }

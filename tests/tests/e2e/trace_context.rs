@@ -76,7 +76,7 @@ async fn traceparent_is_continued_into_outputs_dead_letters_and_handler_calls() 
             "seq {seq}: the attempt is a child span"
         );
     }
-    assert!(handler.order_problems().is_empty());
+    handler.assert_in_order();
     topics.delete().await;
 }
 
