@@ -5,9 +5,13 @@
 //! same Secrets through the API and hands the values to librdkafka directly (`sasl.*`,
 //! `ssl.*.pem`). Lag is read without joining the stage's group (committed offsets and
 //! watermarks only), so paused, stalled or absent workers do not change what is measured.
+//! Lag readers are kept between autoscaling passes ([`LagReaders`]): a librdkafka client costs
+//! threads and broker connections, too much to create for every stage on every pass.
 //! librdkafka calls block, so they run on the blocking pool.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Secret;
@@ -25,7 +29,7 @@ use crate::render::security_properties;
 const TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Everything a client of one pipeline needs: bootstrap servers, properties, secrets.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq, Hash)]
 pub struct Connection {
     properties: BTreeMap<String, String>,
 }
@@ -111,18 +115,91 @@ impl Connection {
         topics::create_missing(&admin, &requests).await
     }
 
-    /// Lag of `group` on every partition of `topic`.
+    /// Lag of `group` on every partition of `topic`, with a client made for this one read.
     pub async fn read_lag(&self, group: &str, topic: &str) -> anyhow::Result<Vec<PartitionLag>> {
+        self.lag_reader(group)?.read(topic).await
+    }
+
+    /// A client that reads `group`'s lag without joining the group.
+    pub fn lag_reader(&self, group: &str) -> anyhow::Result<LagReader> {
         let mut config = self.config();
         config
             .set("group.id", group)
             .set("enable.auto.commit", "false");
+        Ok(LagReader {
+            consumer: Arc::new(config.create()?),
+        })
+    }
+
+    /// Tells connections apart without keeping their properties (secrets among them) twice.
+    fn fingerprint(&self) -> u64 {
+        let mut hasher = DefaultHasher::new();
+        self.hash(&mut hasher);
+        hasher.finish()
+    }
+}
+
+/// A consumer of one group's committed offsets; it never subscribes.
+#[derive(Clone)]
+pub struct LagReader {
+    consumer: Arc<BaseConsumer>,
+}
+
+impl LagReader {
+    /// Lag of the group on every partition of `topic`.
+    pub async fn read(&self, topic: &str) -> anyhow::Result<Vec<PartitionLag>> {
+        let consumer = self.consumer.clone();
         let topic = topic.to_string();
         tokio::task::spawn_blocking(move || {
-            let consumer: BaseConsumer = config.create()?;
+            // Serve what queued up since the last read (client errors and logs), so a reader
+            // kept for days does not accumulate them.
+            while consumer.poll(Duration::ZERO).is_some() {}
             lag::read_with(&consumer, &topic, TIMEOUT)
         })
         .await?
+    }
+}
+
+type ReaderKey = (u64, String);
+
+/// Lag readers kept from one autoscaling pass to the next, one per connection and group. A
+/// reader unused for a whole pass (its stage or pipeline is gone, or its credentials changed,
+/// which changes the connection) is dropped.
+#[derive(Default)]
+pub struct LagReaders {
+    readers: HashMap<ReaderKey, LagReader>,
+    used: HashSet<ReaderKey>,
+    created: usize,
+}
+
+impl LagReaders {
+    /// The reader of `group` on `connection`, made on first use.
+    pub fn get(&mut self, connection: &Connection, group: &str) -> anyhow::Result<LagReader> {
+        let key = (connection.fingerprint(), group.to_string());
+        self.used.insert(key.clone());
+        if let Some(reader) = self.readers.get(&key) {
+            return Ok(reader.clone());
+        }
+        let reader = connection.lag_reader(group)?;
+        self.created += 1;
+        self.readers.insert(key, reader.clone());
+        Ok(reader)
+    }
+
+    /// Drops the readers not asked for since the last call.
+    pub fn forget_unused(&mut self) {
+        let used = std::mem::take(&mut self.used);
+        self.readers.retain(|key, _| used.contains(key));
+    }
+
+    /// Readers kept now.
+    pub fn kept(&self) -> usize {
+        self.readers.len()
+    }
+
+    /// Clients made so far.
+    pub fn created(&self) -> usize {
+        self.created
     }
 }
 
@@ -154,4 +231,29 @@ fn entry(secret: &Secret, key: &str) -> Result<String, CredentialError> {
             secret: name,
             key: key.to_string(),
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn readers_are_kept_per_connection_and_group_and_dropped_when_unused() {
+        // Nothing listens there: making a client does not need a broker.
+        let a = Connection::plain("127.0.0.1:1");
+        let b = Connection::plain("127.0.0.1:2");
+        let mut readers = LagReaders::default();
+        readers.get(&a, "g1").unwrap();
+        readers.get(&a, "g1").unwrap();
+        readers.get(&a, "g2").unwrap();
+        readers.get(&b, "g1").unwrap();
+        assert_eq!((readers.kept(), readers.created()), (3, 3));
+        readers.forget_unused();
+        assert_eq!(readers.kept(), 3, "all three were used in that pass");
+        readers.get(&a, "g1").unwrap();
+        readers.forget_unused();
+        assert_eq!(readers.kept(), 1, "only a/g1 was used in the last pass");
+        readers.get(&a, "g1").unwrap();
+        assert_eq!(readers.created(), 3, "a kept reader is not made again");
+    }
 }

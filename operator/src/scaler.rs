@@ -24,7 +24,7 @@ use tokio::sync::Notify;
 
 use crate::autoscale::{self, Decision, History, Policy, Signal};
 use crate::crd::{SessionPipeline, StageSpec, StageStatus};
-use crate::kafka::Connection;
+use crate::kafka::{Connection, LagReaders};
 use crate::metrics::Metrics;
 use crate::render;
 
@@ -42,6 +42,7 @@ pub struct Scaler {
     wake: Arc<Notify>,
     started: Instant,
     histories: HashMap<StageKey, History>,
+    lag_readers: LagReaders,
 }
 
 impl Scaler {
@@ -62,6 +63,7 @@ impl Scaler {
             wake,
             started: Instant::now(),
             histories: HashMap::new(),
+            lag_readers: LagReaders::default(),
         }
     }
 
@@ -95,6 +97,7 @@ impl Scaler {
             self.metrics.forget_stage(&key.0, &key.1, &key.2);
             self.histories.remove(&key);
         }
+        self.lag_readers.forget_unused();
     }
 
     async fn scale_pipeline(
@@ -117,9 +120,13 @@ impl Scaler {
             seen.insert(key.clone());
             let labels = [namespace.as_str(), pipeline.as_str(), stage.name.as_str()];
             let group = render::group_id(&namespace, &pipeline, &stage.name);
-            let lags = match &connection {
-                Ok(c) => c.read_lag(&group, &stage.input).await,
+            let reader = match &connection {
+                Ok(c) => self.lag_readers.get(c, &group),
                 Err(e) => Err(anyhow::anyhow!("{e}")),
+            };
+            let lags = match reader {
+                Ok(r) => r.read(&stage.input).await,
+                Err(e) => Err(e),
             };
             let (lag, effective, partitions) = match &lags {
                 Ok(l) => (
@@ -422,9 +429,17 @@ mod tests {
         let mut shown = sp.clone();
         shown.status = Some(serde_json::from_value(status.body["status"].clone()).unwrap());
         writer.apply_watcher_event(&watcher::Event::Apply(shown));
-        let pass = tokio::spawn(async move { scaler.tick().await });
+        let pass = tokio::spawn(async move {
+            scaler.tick().await;
+            scaler
+        });
         server.expect(Method::GET, DEP, |_| deployment(3, 1)).await;
         server.expect_silence(Duration::from_millis(300)).await;
-        pass.await.unwrap();
+        let scaler = pass.await.unwrap();
+        assert_eq!(
+            scaler.lag_readers.created(),
+            1,
+            "the second pass reads with the first pass's client"
+        );
     }
 }
