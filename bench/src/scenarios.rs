@@ -312,6 +312,27 @@ pub struct Measured {
 }
 
 impl Measured {
+    /// The measurements of `spec`'s run, started at `started` with the broker's CPU at `cpu0`.
+    fn of(
+        opts: &Options,
+        sc: &Scenario,
+        spec: &RunSpec,
+        result: RunResult,
+        started: Instant,
+        cpu0: Option<f64>,
+    ) -> Self {
+        Self {
+            expected: spec.expected,
+            expected_healthy: expected_healthy(sc, spec),
+            cap_secs: spec.cap_secs,
+            result,
+            broker_cpu_s: cpu0.zip(broker_cpu(opts)).map(|(a, b)| b - a),
+            wall_s: started.elapsed().as_secs_f64(),
+            offered_rate: None,
+            produced_rate: None,
+        }
+    }
+
     /// Healthy records never done within the cap: they count as slower than every one seen.
     pub fn censored_healthy(&self) -> u64 {
         self.expected_healthy
@@ -534,16 +555,7 @@ async fn run_backlog(
     let cpu0 = broker_cpu(opts);
     let child = ChildRun::spawn(&opts.exe, spec, &log_path(opts, id, spec, "backlog"))?;
     let result = child.result().await?;
-    Ok(Measured {
-        expected: spec.expected,
-        expected_healthy: expected_healthy(sc, spec),
-        cap_secs: spec.cap_secs,
-        result,
-        broker_cpu_s: cpu0.zip(broker_cpu(opts)).map(|(a, b)| b - a),
-        wall_s: started.elapsed().as_secs_f64(),
-        offered_rate: None,
-        produced_rate: None,
-    })
+    Ok(Measured::of(opts, sc, spec, result, started, cpu0))
 }
 
 async fn run_paced(
@@ -572,14 +584,9 @@ async fn run_paced(
         .await?;
     let result = child.result().await?;
     Ok(Measured {
-        expected: spec.expected,
-        expected_healthy: expected_healthy(sc, spec),
-        cap_secs: spec.cap_secs,
-        result,
-        broker_cpu_s: cpu0.zip(broker_cpu(opts)).map(|(a, b)| b - a),
-        wall_s: started.elapsed().as_secs_f64(),
         offered_rate: paced.rate,
         produced_rate: Some(paced.records as f64 / produced.elapsed.as_secs_f64()),
+        ..Measured::of(opts, sc, spec, result, started, cpu0)
     })
 }
 

@@ -550,9 +550,8 @@ mod tests {
         }
     }
 
-    fn container(plan: &StagePlan) -> &Container {
-        &plan
-            .deployment
+    fn pod(plan: &StagePlan) -> &PodSpec {
+        plan.deployment
             .spec
             .as_ref()
             .unwrap()
@@ -560,7 +559,10 @@ mod tests {
             .spec
             .as_ref()
             .unwrap()
-            .containers[0]
+    }
+
+    fn container(plan: &StagePlan) -> &Container {
+        &pod(plan).containers[0]
     }
 
     #[test]
@@ -583,17 +585,7 @@ mod tests {
         assert_eq!(plans[1].config.dispatchers, 3);
         assert_eq!(plans[1].config.shutdown_timeout_ms, 20_000);
         // The pod outlives the worker's own shutdown (drain + shutdown timeout).
-        let grace = plans[1]
-            .deployment
-            .spec
-            .as_ref()
-            .unwrap()
-            .template
-            .spec
-            .as_ref()
-            .unwrap()
-            .termination_grace_period_seconds
-            .unwrap();
+        let grace = pod(&plans[1]).termination_grace_period_seconds.unwrap();
         let worker_ms =
             plans[1].config.shutdown_timeout_ms + plans[1].config.rebalance.drain_timeout_ms;
         assert!(
@@ -677,16 +669,7 @@ mod tests {
             from_secret(SASL_PASSWORD_ENV),
             ("kafka-user".into(), "pass".into())
         );
-        let pod = p
-            .deployment
-            .spec
-            .as_ref()
-            .unwrap()
-            .template
-            .spec
-            .as_ref()
-            .unwrap();
-        let tls = pod
+        let tls = pod(p)
             .volumes
             .as_ref()
             .unwrap()
