@@ -89,7 +89,8 @@ pub struct SessionPipelineSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub commit_interval_ms: Option<u64>,
-    /// How long a stopping worker waits for in-flight records, for every stage that sets none.
+    /// How long a stopping worker waits for in-flight records, for every stage that sets none
+    /// (worker default 20000). The pods' grace period is derived from it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub shutdown_timeout_ms: Option<u64>,
@@ -102,7 +103,8 @@ pub struct KafkaSpec {
     /// `host:port[,host:port…]`.
     #[schemars(length(min = 1))]
     pub bootstrap_servers: String,
-    /// Extra librdkafka properties for every client of the pipeline.
+    /// Extra librdkafka properties for every client of the pipeline. `max.poll.interval.ms`
+    /// (not below `session.timeout.ms`) bounds every stage's `rebalance.drainTimeoutMs`.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     #[x_kube(
         validation = Rule::new(
@@ -254,14 +256,18 @@ pub struct StageSpec {
     /// Overrides `spec.stuck`: what happens to a record not done in time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stuck: Option<StuckConfig>,
-    /// Group protocol (`cooperative` or `eager`) and drain timeout on revocation.
+    /// Group protocol (`cooperative` or `eager`) and drain timeout on revocation. A revocation
+    /// holds the consumer's poll for up to 2 × `drainTimeoutMs` + 5000 ms, which must stay below
+    /// `max.poll.interval.ms` of `kafka.properties` (librdkafka's default 300000): with the
+    /// default, `drainTimeoutMs` can be at most 147499.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rebalance: Option<RebalanceConfig>,
     /// Overrides `spec.commitIntervalMs`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub commit_interval_ms: Option<u64>,
-    /// Overrides `spec.shutdownTimeoutMs`.
+    /// Overrides `spec.shutdownTimeoutMs`. The pods' `terminationGracePeriodSeconds` follows it:
+    /// shutdown timeout + 3 × drain timeout + 40 s (commits, the worker's close, slack).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub shutdown_timeout_ms: Option<u64>,

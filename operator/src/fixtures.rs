@@ -12,7 +12,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::client::Body;
 use kube::Client;
 use serde_json::{json, Value};
-use sessionflow_worker::config::{BuiltinHandlerConfig, HandlerConfig};
+use sessionflow_worker::config::{BuiltinHandlerConfig, HandlerConfig, RebalanceConfig};
 
 use crate::crd::{
     AutoscalingSpec, KafkaSpec, ReplicasSpec, SessionPipeline, SessionPipelineSpec, StageSpec,
@@ -99,6 +99,19 @@ pub fn stage(name: &str, input: &str, output: Option<&str>) -> StageSpec {
         lag_interval_ms: None,
         otlp_endpoint: None,
     }
+}
+
+/// A stage's `rebalance` with this drain timeout (default strategy).
+pub fn rebalance(drain_timeout_ms: u64) -> RebalanceConfig {
+    RebalanceConfig {
+        drain_timeout_ms,
+        ..RebalanceConfig::default()
+    }
+}
+
+/// Sets a librdkafka property of the pipeline (e.g. `max.poll.interval.ms`).
+pub fn kafka_property(sp: &mut SessionPipeline, key: &str, value: &str) {
+    sp.spec.kafka.properties.insert(key.into(), value.into());
 }
 
 /// One request as the API server saw it.

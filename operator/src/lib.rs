@@ -2,7 +2,8 @@
 //! Deployments and scales each stage from the consumer lag it reads from Kafka itself.
 //!
 //! Data flow: [`crd`] declares the resource; [`render`] turns a resource into the objects of
-//! each stage (pure); [`reconciler`] applies them with server-side apply and reports
+//! each stage (pure), refusing timeouts that cannot work and deriving the pods' grace period
+//! with [`timeouts`] (pure); [`reconciler`] applies them with server-side apply and reports
 //! conditions; [`autoscale`] decides replica counts from lag (pure); [`scaler`] is the loop
 //! that reads lag through [`kafka`], applies the decisions and reports them; [`metrics`] and
 //! [`server`] expose what it sees.
@@ -16,6 +17,7 @@ pub mod reference;
 pub mod render;
 pub mod scaler;
 pub mod server;
+pub mod timeouts;
 
 #[cfg(test)]
 mod fixtures;

@@ -10,7 +10,9 @@ use serde_json::{json, Value};
 
 use super::*;
 use crate::crd::SessionPipeline;
-use crate::fixtures::{list, mock_client, pipeline, ApiServer, Seen, UID};
+use crate::fixtures::{
+    kafka_property, list, mock_client, pipeline, rebalance, ApiServer, Seen, UID,
+};
 use crate::metrics::Metrics;
 use crate::render::Defaults;
 
@@ -187,6 +189,11 @@ async fn first_reconcile_creates_config_map_deployment_and_service_per_stage() {
     assert_eq!(container["image"], "sessionflow-worker:test");
     assert_eq!(container["readinessProbe"]["httpGet"]["path"], "/readyz");
     assert_eq!(container["livenessProbe"]["httpGet"]["path"], "/healthz");
+    assert_eq!(container["livenessProbe"]["periodSeconds"], 10);
+    assert_eq!(container["livenessProbe"]["failureThreshold"], 3);
+    // Worker defaults: a 25 s revocation + 20 s shutdown + 10 s writes + 5 s final commit
+    // + 20 s close + 10 s slack.
+    assert_eq!(pod["spec"]["terminationGracePeriodSeconds"], 90);
     assert_eq!(container["securityContext"]["readOnlyRootFilesystem"], true);
     assert_eq!(pod["spec"]["securityContext"]["runAsNonRoot"], true);
 
@@ -310,6 +317,151 @@ async fn a_spec_the_worker_would_refuse_sets_degraded_and_applies_nothing() {
     .await
     .unwrap();
     assert_eq!(action, kube::runtime::controller::Action::await_change());
+}
+
+/// Plays a pass over an invalid spec: the status patch (checked by `check`) and the Warning
+/// event, nothing else — no list, no apply, no delete.
+async fn invalid_spec_pass(sp: SessionPipeline, check: impl FnOnce(&Value) + Send + 'static) {
+    let sp2 = sp.clone();
+    let action = scenario(sp, |mut server| async move {
+        let status = server
+            .expect(Method::PATCH, STATUS, status_reply(&sp2))
+            .await;
+        let degraded = condition(&status.body, "Degraded");
+        assert_eq!(degraded["status"], "True");
+        assert_eq!(degraded["reason"], "InvalidSpec");
+        assert_eq!(condition(&status.body, "Ready")["status"], "False");
+        assert_eq!(condition(&status.body, "Ready")["reason"], "InvalidSpec");
+        assert_eq!(condition(&status.body, "Progressing")["status"], "False");
+        check(&status.body);
+        let event = server.expect(Method::POST, EVENTS, echo).await;
+        assert_eq!(event.body["type"], "Warning");
+        assert_eq!(event.body["reason"], "InvalidSpec");
+        assert_eq!(event.body["note"], degraded["message"]);
+        server
+    })
+    .await
+    .unwrap();
+    assert_eq!(action, kube::runtime::controller::Action::await_change());
+}
+
+#[tokio::test]
+async fn a_drain_that_outlasts_max_poll_interval_is_refused_with_the_field_named() {
+    let mut sp = pipeline(&["nlu", "llm"]);
+    kafka_property(&mut sp, "max.poll.interval.ms", "60000");
+    // 2 × 27 000 + 5000 < 60 000: fine; 2 × 30 000 + 5000 is not.
+    sp.spec.stages[0].rebalance = Some(rebalance(27_000));
+    sp.spec.stages[1].rebalance = Some(rebalance(30_000));
+    invalid_spec_pass(sp, |status| {
+        let message = condition(status, "Degraded")["message"].as_str().unwrap();
+        assert!(
+            message.starts_with(
+                "spec.stages[1].rebalance.drainTimeoutMs: 30000 ms cannot finish before \
+                 max.poll.interval.ms 60000:"
+            ),
+            "{message}"
+        );
+        assert_eq!(status["status"]["observedGeneration"], 1);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_poll_interval_below_the_session_timeout_is_refused_with_the_property_named() {
+    // The issue's setting: max.poll.interval.ms 10 000, session.timeout.ms left at 45 000.
+    let mut sp = pipeline(&["nlu"]);
+    kafka_property(&mut sp, "max.poll.interval.ms", "10000");
+    invalid_spec_pass(sp, |status| {
+        let message = condition(status, "Degraded")["message"].as_str().unwrap();
+        assert!(
+            message.starts_with(
+                "spec.kafka.properties[max.poll.interval.ms]: 10000 ms is below \
+                 session.timeout.ms 45000:"
+            ),
+            "{message}"
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_shutdown_no_grace_period_can_hold_is_refused_at_the_pipeline_field() {
+    let mut sp = pipeline(&["nlu"]);
+    sp.spec.shutdown_timeout_ms = Some(u64::MAX);
+    invalid_spec_pass(sp, |status| {
+        let message = condition(status, "Degraded")["message"].as_str().unwrap();
+        assert!(
+            message.starts_with("spec.shutdownTimeoutMs: 18446744073709551615 ms cannot finish"),
+            "{message}"
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn impossible_timeouts_keep_the_running_workers_and_fixing_them_rolls_the_stage() {
+    let (cluster, status) = first_pass(&pipeline(&["nlu", "llm"])).await;
+
+    // Generation 2 asks for a drain the group would not wait for: refused, and the workers of
+    // generation 1 are left running as they are (no apply, no delete).
+    let mut broken = with_status(&pipeline(&["nlu", "llm"]), &status);
+    broken.metadata.generation = Some(2);
+    kafka_property(&mut broken, "max.poll.interval.ms", "60000");
+    broken.spec.stages[0].rebalance = Some(rebalance(30_000));
+    let refused = Arc::new(std::sync::Mutex::new(Value::Null));
+    let out = refused.clone();
+    invalid_spec_pass(broken.clone(), move |status| {
+        let message = condition(status, "Degraded")["message"].as_str().unwrap();
+        assert!(
+            message.starts_with("spec.stages[0].rebalance.drainTimeoutMs: 30000 ms cannot"),
+            "{message}"
+        );
+        assert_eq!(status["status"]["observedGeneration"], 2);
+        *out.lock().unwrap() = status.clone();
+    })
+    .await;
+
+    // Generation 3 fixes it: only the nlu stage's ConfigMap and Deployment change, and its pods
+    // get the grace period of the new drain.
+    let mut fixed = with_status(&broken, &refused.lock().unwrap().clone());
+    fixed.metadata.generation = Some(3);
+    fixed.spec.stages[0].rebalance = Some(rebalance(27_499));
+    let fixed2 = fixed.clone();
+    scenario(fixed, |mut server| async move {
+        lists(&mut server, &cluster).await;
+        let cm = server
+            .expect(Method::PATCH, &format!("{CM}/chat-nlu"), echo)
+            .await;
+        let config = cm.body["data"]["stage.yaml"].as_str().unwrap();
+        let parsed = sessionflow_worker::config::StageConfig::from_yaml(config).unwrap();
+        assert_eq!(parsed.rebalance.drain_timeout_ms, 27_499);
+        assert_eq!(parsed.kafka["max.poll.interval.ms"], "60000");
+        let dep = server
+            .expect(Method::PATCH, &format!("{DEP}/chat-nlu"), echo)
+            .await;
+        // ⌈(3 × 27 499 + 20 000) / 1000⌉ + 10 s commits + 20 s close + 10 s slack.
+        assert_eq!(
+            dep.body["spec"]["template"]["spec"]["terminationGracePeriodSeconds"],
+            103 + 40
+        );
+        // The llm stage's ConfigMap changes too (the pipeline-wide property), nothing else.
+        server
+            .expect(Method::PATCH, &format!("{CM}/chat-llm"), echo)
+            .await;
+        server
+            .expect(Method::PATCH, &format!("{DEP}/chat-llm"), echo)
+            .await;
+        let status = server
+            .expect(Method::PATCH, STATUS, status_reply(&fixed2))
+            .await;
+        let degraded = condition(&status.body, "Degraded");
+        assert_eq!(degraded["status"], "False");
+        assert_eq!(degraded["reason"], "ReconcileSucceeded");
+        assert_eq!(status.body["status"]["observedGeneration"], 3);
+        server
+    })
+    .await
+    .unwrap();
 }
 
 #[tokio::test]

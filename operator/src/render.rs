@@ -28,6 +28,7 @@ use sessionflow_worker::config::{StageConfig, SASL_PASSWORD_ENV, SASL_USERNAME_E
 use sha2::{Digest, Sha256};
 
 use crate::crd::{KafkaSpec, SessionPipeline, StageSpec};
+use crate::timeouts;
 
 /// Label naming the pipeline an object belongs to.
 pub const PIPELINE_LABEL: &str = "sessionflow.io/pipeline";
@@ -188,6 +189,7 @@ fn plan_stage(
 ) -> Result<StagePlan, SpecError> {
     let field = format!("spec.stages[{index}]");
     let config = stage_config(sp, stage).map_err(|e| SpecError::new(&field, e.to_string()))?;
+    let budget = check_timeouts(sp, index, stage, &config)?;
     config
         .validate()
         .map_err(|e| SpecError::new(format!("{field}.{}", e.key), e.message))?;
@@ -219,7 +221,7 @@ fn plan_stage(
         spec: Some(deployment_spec(
             sp,
             stage,
-            &config,
+            budget,
             &image,
             &hash(&yaml),
             defaults,
@@ -247,6 +249,47 @@ fn plan_stage(
         deployment: stamp(deployment),
         service: stamp(service),
     })
+}
+
+/// [`timeouts::check`] on a stage's resolved worker config, with the field at fault named where
+/// the user set it (or, when the worker's default is at fault, where the stage would set it).
+fn check_timeouts(
+    sp: &SessionPipeline,
+    index: usize,
+    stage: &StageSpec,
+    config: &StageConfig,
+) -> Result<timeouts::Budget, SpecError> {
+    let property = |key: &str| format!("spec.kafka.properties[{key}]");
+    let t = timeouts::Timeouts::from_config(
+        config.rebalance.drain_timeout_ms,
+        config.shutdown_timeout_ms,
+        &config.kafka,
+    )
+    .map_err(|(key, message)| SpecError::new(property(key), message))?;
+    let refusal = match timeouts::check(t) {
+        Ok(budget) => return Ok(budget),
+        Err(refusal) => refusal,
+    };
+    let (field, set) = match refusal.setting() {
+        timeouts::Setting::DrainTimeout => (
+            format!("spec.stages[{index}].rebalance.drainTimeoutMs"),
+            stage.rebalance.is_some(),
+        ),
+        timeouts::Setting::ShutdownTimeout => {
+            match (stage.shutdown_timeout_ms, sp.spec.shutdown_timeout_ms) {
+                (None, Some(_)) => ("spec.shutdownTimeoutMs".to_string(), true),
+                (own, _) => (
+                    format!("spec.stages[{index}].shutdownTimeoutMs"),
+                    own.is_some(),
+                ),
+            }
+        }
+        timeouts::Setting::MaxPollInterval => (
+            property(timeouts::MAX_POLL_INTERVAL_KEY),
+            t.max_poll_interval_ms.is_some(),
+        ),
+    };
+    Err(SpecError::new(field, refusal.message(!set)))
 }
 
 /// The worker config of a stage: stage settings over pipeline defaults over worker defaults.
@@ -366,7 +409,7 @@ pub fn security_properties(kafka: &KafkaSpec) -> BTreeMap<String, String> {
 fn deployment_spec(
     sp: &SessionPipeline,
     stage: &StageSpec,
-    config: &StageConfig,
+    budget: timeouts::Budget,
     image: &str,
     config_hash: &str,
     defaults: &Defaults,
@@ -423,19 +466,16 @@ fn deployment_spec(
             ..VolumeMount::default()
         });
     }
-    let probe = |path: &str, period: i32| Probe {
+    let probe = |path: &str, period: i32, failures: i32| Probe {
         http_get: Some(HTTPGetAction {
             path: Some(path.into()),
             port: IntOrString::String("metrics".into()),
             ..HTTPGetAction::default()
         }),
         period_seconds: Some(period),
-        failure_threshold: Some(3),
+        failure_threshold: Some(failures),
         ..Probe::default()
     };
-    // The pod must outlive the worker's own shutdown: drain, final commit, then exit.
-    let grace_ms = config.shutdown_timeout_ms + config.rebalance.drain_timeout_ms;
-    let grace_secs = i64::try_from(grace_ms.div_ceil(1000)).unwrap_or(i64::MAX / 2) + 10;
     let container = Container {
         name: "worker".into(),
         image: Some(image.to_string()),
@@ -453,8 +493,14 @@ fn deployment_spec(
         }]),
         env: (!env.is_empty()).then_some(env),
         resources: stage.resources.clone(),
-        liveness_probe: Some(probe("/healthz", 10)),
-        readiness_probe: Some(probe("/readyz", 5)),
+        // No timeout is bounded by this probe: the worker's drains keep the heartbeat
+        // ([`timeouts`]).
+        liveness_probe: Some(probe(
+            "/healthz",
+            timeouts::LIVENESS_PERIOD_SECONDS,
+            timeouts::LIVENESS_FAILURE_THRESHOLD,
+        )),
+        readiness_probe: Some(probe("/readyz", 5, 3)),
         volume_mounts: Some(mounts),
         security_context: Some(SecurityContext {
             allow_privilege_escalation: Some(false),
@@ -496,7 +542,9 @@ fn deployment_spec(
             spec: Some(PodSpec {
                 containers: vec![container],
                 volumes: Some(volumes),
-                termination_grace_period_seconds: Some(grace_secs),
+                // The pod outlives the worker's own shutdown: a drain under way, the shutdown
+                // drain, the final commit, the close ([`timeouts::check`]).
+                termination_grace_period_seconds: Some(budget.termination_grace_period_seconds),
                 automount_service_account_token: Some(false),
                 security_context: Some(PodSecurityContext {
                     run_as_non_root: Some(true),
@@ -584,14 +632,19 @@ mod tests {
         assert_eq!(plans[0].config.dispatchers, 8, "worker default");
         assert_eq!(plans[1].config.dispatchers, 3);
         assert_eq!(plans[1].config.shutdown_timeout_ms, 20_000);
-        // The pod outlives the worker's own shutdown (drain + shutdown timeout).
+        // The pod outlives the worker's own shutdown (drain + shutdown timeout + close).
         let grace = pod(&plans[1]).termination_grace_period_seconds.unwrap();
-        let worker_ms =
-            plans[1].config.shutdown_timeout_ms + plans[1].config.rebalance.drain_timeout_ms;
+        let worker_ms = timeouts::worst_shutdown_ms(
+            plans[1].config.rebalance.drain_timeout_ms,
+            plans[1].config.shutdown_timeout_ms,
+        )
+        .unwrap();
         assert!(
             grace * 1000 > worker_ms as i64,
             "grace {grace}s ≤ worker {worker_ms}ms"
         );
+        // 25 s revocation + 20 s shutdown + 10 s writes + 5 s commit + 20 s close + 10 s slack.
+        assert_eq!(grace, 90);
         // What the ConfigMap holds is what the worker parses.
         let yaml = &plans[1].config_map.data.as_ref().unwrap()["stage.yaml"];
         let parsed = StageConfig::from_yaml(yaml).unwrap();
@@ -680,6 +733,131 @@ mod tests {
             tls.secret.as_ref().unwrap().secret_name.as_deref(),
             Some("kafka-tls")
         );
+    }
+
+    #[test]
+    fn the_grace_period_and_the_liveness_probe_follow_the_timeouts() {
+        let mut sp = pipeline(&["nlu", "llm"]);
+        sp.spec.shutdown_timeout_ms = Some(120_000);
+        sp.spec.stages[1].rebalance = Some(crate::fixtures::rebalance(45_000));
+        sp.spec.stages[1].shutdown_timeout_ms = Some(1_500);
+        let plans = plan(&sp, &defaults()).unwrap();
+        let grace = |p: &StagePlan| pod(p).termination_grace_period_seconds.unwrap();
+        // shutdown + 3 × drain + 2 × 5 s commits + 2 × 10 s close + 10 s slack.
+        assert_eq!(grace(&plans[0]), 120 + 30 + 40);
+        assert_eq!(grace(&plans[1]), 2 + 135 + 40, "rounded up");
+        let liveness = container(&plans[1]).liveness_probe.as_ref().unwrap();
+        assert_eq!(
+            liveness.http_get.as_ref().unwrap().path.as_deref(),
+            Some("/healthz")
+        );
+        let period = liveness.period_seconds.unwrap();
+        let failures = liveness.failure_threshold.unwrap();
+        assert_eq!((period, failures), (10, 3));
+        // The kubelet restarts a stalled worker this long after /healthz calls it stalled.
+        let after_ms = u64::try_from((failures - 1) * period * 1000).unwrap();
+        assert_eq!(
+            timeouts::LIVENESS_STALE_MS + after_ms,
+            timeouts::liveness_restart_after_ms()
+        );
+    }
+
+    #[test]
+    fn timeouts_that_cannot_work_name_the_field() {
+        use crate::fixtures::{kafka_property as set, rebalance};
+        type Mutation = Box<dyn Fn(&mut SessionPipeline)>;
+        let cases: Vec<(Mutation, &str, &str)> = vec![
+            (
+                Box::new(|sp| {
+                    set(sp, "max.poll.interval.ms", "60000");
+                    sp.spec.stages[1].rebalance = Some(rebalance(30_000));
+                }),
+                "spec.stages[1].rebalance.drainTimeoutMs",
+                "30000 ms cannot finish before max.poll.interval.ms 60000:",
+            ),
+            (
+                // The setting: a 10 s poll interval with the default 10 s drain.
+                Box::new(|sp| {
+                    set(sp, "max.poll.interval.ms", "10000");
+                    set(sp, "session.timeout.ms", "6000");
+                }),
+                "spec.stages[0].rebalance.drainTimeoutMs",
+                "10000 ms (the default) cannot finish before max.poll.interval.ms 10000:",
+            ),
+            (
+                Box::new(|sp| sp.spec.stages[1].rebalance = Some(rebalance(147_500))),
+                "spec.stages[1].rebalance.drainTimeoutMs",
+                "147500 ms cannot finish before max.poll.interval.ms 300000:",
+            ),
+            (
+                Box::new(|sp| set(sp, "max.poll.interval.ms", "10000")),
+                "spec.kafka.properties[max.poll.interval.ms]",
+                "10000 ms is below session.timeout.ms 45000:",
+            ),
+            (
+                Box::new(|sp| set(sp, "session.timeout.ms", "400000")),
+                "spec.kafka.properties[max.poll.interval.ms]",
+                "300000 ms (the default) is below session.timeout.ms 400000:",
+            ),
+            (
+                Box::new(|sp| set(sp, "max.poll.interval.ms", "10s")),
+                "spec.kafka.properties[max.poll.interval.ms]",
+                "\"10s\" is not a number of milliseconds in [1, 86400000]",
+            ),
+            (
+                Box::new(|sp| set(sp, "session.timeout.ms", "0")),
+                "spec.kafka.properties[session.timeout.ms]",
+                "\"0\" is not a number of milliseconds in [1, 3600000]",
+            ),
+            (
+                Box::new(|sp| sp.spec.shutdown_timeout_ms = Some(u64::MAX)),
+                "spec.shutdownTimeoutMs",
+                "18446744073709551615 ms cannot finish before any pod grace period",
+            ),
+            (
+                Box::new(|sp| sp.spec.stages[1].shutdown_timeout_ms = Some(u64::MAX - 1)),
+                "spec.stages[1].shutdownTimeoutMs",
+                "18446744073709551614 ms cannot finish before any pod grace period",
+            ),
+        ];
+        for (mutate, field, message) in cases {
+            let mut sp = pipeline(&["nlu", "llm"]);
+            mutate(&mut sp);
+            let err = plan(&sp, &defaults()).unwrap_err();
+            assert_eq!(err.field, field, "{err}");
+            assert!(err.message.starts_with(message), "{err}");
+        }
+        // Just inside every deadline is fine: 2 × 27 499 + 5000 < 60 000.
+        let mut sp = pipeline(&["nlu", "llm"]);
+        set(&mut sp, "max.poll.interval.ms", "60000");
+        sp.spec.stages[0].rebalance = Some(rebalance(27_499));
+        sp.spec.shutdown_timeout_ms = Some(3_600_000);
+        plan(&sp, &defaults()).unwrap();
+    }
+
+    proptest::proptest! {
+        /// The operator renders no config the worker refuses for its drain, and refuses none
+        /// the worker would run (when librdkafka itself accepts the properties).
+        #[test]
+        fn the_operator_and_the_worker_agree_on_the_drain(
+            drain in 1u64..200_000,
+            max_poll in proptest::option::of(6_000u64..400_000),
+        ) {
+            let mut sp = pipeline(&["nlu"]);
+            crate::fixtures::kafka_property(&mut sp, "session.timeout.ms", "6000");
+            if let Some(ms) = max_poll {
+                crate::fixtures::kafka_property(&mut sp, "max.poll.interval.ms", &ms.to_string());
+            }
+            sp.spec.stages[0].rebalance = Some(crate::fixtures::rebalance(drain));
+            let config = stage_config(&sp, &sp.spec.stages[0]).unwrap();
+            let worker = config.validate();
+            let operator = plan(&sp, &defaults());
+            proptest::prop_assert_eq!(worker.is_ok(), operator.is_ok(), "{:?} / {:?}", worker, operator);
+            if let (Err(w), Err(o)) = (worker, operator) {
+                proptest::prop_assert_eq!(w.key, "rebalance.drainTimeoutMs");
+                proptest::prop_assert_eq!(o.field, "spec.stages[0].rebalance.drainTimeoutMs");
+            }
+        }
     }
 
     #[test]

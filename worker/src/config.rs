@@ -70,6 +70,11 @@ pub struct StageConfig {
     /// How often the lag of the assigned partitions is read from the broker.
     #[serde(default = "defaults::lag_interval_ms")]
     pub lag_interval_ms: u64,
+    /// At shutdown, also process the records queued behind each session's current one. By
+    /// default a session finishes the record it is working on and releases the rest to the
+    /// partition's next owner, so a rolling restart takes about one handler call.
+    #[serde(default)]
+    pub shutdown_drain_queued: bool,
     /// How long a shutdown waits for sessions to finish before giving up on the rest.
     #[serde(default = "defaults::shutdown_timeout_ms")]
     pub shutdown_timeout_ms: u64,
@@ -156,6 +161,14 @@ pub struct BuiltinHandlerConfig {
     /// Simulated work per attempt.
     #[serde(default)]
     pub latency_ms: u64,
+    /// Fraction of records whose *first* attempt is slow (an LLM call that outlasts a
+    /// rebalance drain), in [0, 1]; drawn per event id, so replays draw the same.
+    #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(range(min = 0.0, max = 1.0)))]
+    pub slow_rate: f64,
+    /// How long a slow first attempt takes (on top of `latencyMs`).
+    #[serde(default)]
+    pub slow_ms: u64,
     /// Seed of the fault draws; the same seed gives the same faults for the same records.
     #[serde(default)]
     pub seed: u64,
@@ -244,8 +257,10 @@ impl From<StuckConfig> for StuckPolicy {
 pub struct RebalanceConfig {
     #[serde(default)]
     pub strategy: RebalanceStrategy,
-    /// Longest wait for a revoked partition's in-flight records before its final commit; keep
-    /// it below the group's session timeout.
+    /// Longest wait for a revoked partition's in-flight records before its final commit. Past
+    /// it, handler calls still running write nothing; results already sent get as long again to
+    /// land. A revocation runs inside one consumer poll, so 2 × this + 5 s must stay below the
+    /// group's `max.poll.interval.ms` (refused otherwise).
     #[serde(default = "defaults::drain_timeout_ms")]
     #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
     pub drain_timeout_ms: u64,
@@ -292,6 +307,13 @@ impl From<RetryConfig> for RetryPolicy {
         }
     }
 }
+
+/// librdkafka's default `max.poll.interval.ms`.
+pub const DEFAULT_MAX_POLL_INTERVAL_MS: u64 = 300_000;
+/// librdkafka's default `session.timeout.ms`.
+pub const DEFAULT_SESSION_TIMEOUT_MS: u64 = 45_000;
+/// What a revocation allows for its synchronous commit, on top of its two drain deadlines.
+pub const REVOCATION_COMMIT_ALLOWANCE_MS: u64 = 5_000;
 
 mod defaults {
     use std::net::SocketAddr;
@@ -451,6 +473,12 @@ impl StageConfig {
                         "must be in [0, 1]",
                     ));
                 }
+                if !(0.0..=1.0).contains(&b.slow_rate) {
+                    return Err(ConfigError::new(
+                        "handler.builtin.slowRate",
+                        "must be in [0, 1]",
+                    ));
+                }
             }
         }
         positive("retry.initialBackoffMs", self.retry.initial_backoff_ms)?;
@@ -475,6 +503,7 @@ impl StageConfig {
             self.max_in_flight_per_partition as u64,
         )?;
         positive("shutdownTimeoutMs", self.shutdown_timeout_ms)?;
+        self.validate_deadlines()?;
         for key in self.kafka.keys() {
             if OWNED_KAFKA_KEYS.contains(&key.as_str()) {
                 return Err(ConfigError::new(
@@ -482,6 +511,60 @@ impl StageConfig {
                     "is managed by sessionflow and cannot be overridden",
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// Refuses a drain deadline that cannot be met. A revocation runs inside one consumer poll:
+    /// it waits up to `rebalance.drainTimeoutMs` for handlers, as long again for results
+    /// already on their way to the broker, then commits; librdkafka leaves the group if that
+    /// takes longer than `max.poll.interval.ms`, and the partitions' commits then fail. (The
+    /// shutdown drain keeps polling, and every drain keeps the liveness heartbeat, so neither
+    /// is bounded by these; the pod's grace period is checked by the operator, which sets it.)
+    fn validate_deadlines(&self) -> Result<(), ConfigError> {
+        let key = "max.poll.interval.ms";
+        let max_poll: u64 = match self.kafka.get(key) {
+            Some(v) => v.trim().parse().map_err(|_| {
+                ConfigError::new(
+                    format!("kafka.{key}"),
+                    format!("must be a number of milliseconds, got {v:?}"),
+                )
+            })?,
+            None => DEFAULT_MAX_POLL_INTERVAL_MS,
+        };
+        let session_key = "session.timeout.ms";
+        let session_timeout: u64 = match self.kafka.get(session_key) {
+            Some(v) => v.trim().parse().map_err(|_| {
+                ConfigError::new(
+                    format!("kafka.{session_key}"),
+                    format!("must be a number of milliseconds, got {v:?}"),
+                )
+            })?,
+            None => DEFAULT_SESSION_TIMEOUT_MS,
+        };
+        if max_poll < session_timeout {
+            // librdkafka refuses to create such a consumer; say so with the key named.
+            return Err(ConfigError::new(
+                format!("kafka.{key}"),
+                format!(
+                    "{max_poll} ms must be at least kafka.{session_key} ({session_timeout} ms)"
+                ),
+            ));
+        }
+        let drain = self.rebalance.drain_timeout_ms;
+        let revocation = drain
+            .saturating_mul(2)
+            .saturating_add(REVOCATION_COMMIT_ALLOWANCE_MS);
+        if revocation >= max_poll {
+            return Err(ConfigError::new(
+                "rebalance.drainTimeoutMs",
+                format!(
+                    "{drain} ms cannot finish before kafka.{key} ({max_poll} ms): a revocation \
+                     may take 2 × drainTimeoutMs + {REVOCATION_COMMIT_ALLOWANCE_MS} ms inside one \
+                     poll; lower drainTimeoutMs below {} ms or raise kafka.{key}",
+                    max_poll.saturating_sub(REVOCATION_COMMIT_ALLOWANCE_MS) / 2
+                ),
+            ));
         }
         Ok(())
     }
@@ -619,6 +702,40 @@ rebalance: {strategy: eager, drainTimeoutMs: 3000}
         assert_eq!(
             c.rebalance.strategy.assignment_strategy(),
             "range,roundrobin"
+        );
+    }
+
+    #[test]
+    fn a_drain_that_cannot_finish_within_max_poll_interval_is_refused() {
+        // The issue's setting: max.poll.interval.ms 10 s with the default 10 s drain.
+        let err = StageConfig::from_yaml(&format!(
+            "{MINIMAL}kafka: {{max.poll.interval.ms: '10000', session.timeout.ms: '6000'}}\n"
+        ))
+        .unwrap_err();
+        assert_eq!(err.key, "rebalance.drainTimeoutMs");
+        assert!(err.message.contains("max.poll.interval.ms"), "{err}");
+        assert!(err.message.contains("2500"), "{err}");
+        // Just inside: 2 × 2499 + 5000 < 10000.
+        StageConfig::from_yaml(&format!(
+            "{MINIMAL}rebalance: {{drainTimeoutMs: 2499}}\nkafka: {{max.poll.interval.ms: '10000', session.timeout.ms: '6000'}}\n"
+        ))
+        .unwrap();
+        // Default max.poll.interval.ms (300 s): the default drain fits, 150 s does not.
+        StageConfig::from_yaml(MINIMAL).unwrap();
+        assert_eq!(
+            key_of(&format!("{MINIMAL}rebalance: {{drainTimeoutMs: 150000}}\n")),
+            "rebalance.drainTimeoutMs"
+        );
+        assert_eq!(
+            key_of(&format!("{MINIMAL}kafka: {{max.poll.interval.ms: soon}}\n")),
+            "kafka.max.poll.interval.ms"
+        );
+        // Below the (default 45 s) session timeout librdkafka would refuse the consumer.
+        assert_eq!(
+            key_of(&format!(
+                "{MINIMAL}kafka: {{max.poll.interval.ms: '30000'}}\n"
+            )),
+            "kafka.max.poll.interval.ms"
         );
     }
 

@@ -6,7 +6,7 @@
 //! retrying — never a crash loop.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -18,16 +18,21 @@ use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
 
-/// Shared liveness/readiness flags, written by the consumer loop.
+/// Shared liveness/readiness flags, written by the consumer loop (reachability, turns) and by
+/// the write path (results the broker keeps refusing, fatal client errors).
 #[derive(Debug, Default)]
 pub struct Health {
     ready: AtomicBool,
     /// Unix millis of the consumer loop's last turn.
     heartbeat_ms: AtomicU64,
+    /// Records whose dead letter the broker keeps refusing: nothing behind them can commit.
+    blocked_writes: AtomicUsize,
+    /// A fatal client error: not ready for good, the worker is stopping.
+    failed: AtomicBool,
 }
 
 /// The consumer loop is considered wedged when it has not turned for this long.
-const LIVENESS_LIMIT: Duration = Duration::from_secs(60);
+pub const LIVENESS_LIMIT: Duration = Duration::from_secs(60);
 
 fn now_ms() -> u64 {
     SystemTime::now()
@@ -42,7 +47,24 @@ impl Health {
     }
 
     pub fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::Relaxed) && self.is_alive()
+        self.ready.load(Ordering::Relaxed)
+            && self.blocked_writes.load(Ordering::Relaxed) == 0
+            && !self.failed.load(Ordering::Relaxed)
+            && self.is_alive()
+    }
+
+    /// A write started being refused (`true`) or finally landed (`false`).
+    pub fn write_blocked(&self, blocked: bool) {
+        if blocked {
+            self.blocked_writes.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.blocked_writes.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Not ready from now on (a fatal error; the worker is stopping).
+    pub fn fail(&self) {
+        self.failed.store(true, Ordering::Relaxed);
     }
 
     pub fn beat(&self) {

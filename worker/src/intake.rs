@@ -16,6 +16,12 @@
 //! Partition state sits in a `Mutex<Book>` inside the consumer context so that the loop and
 //! the rebalance callback (which runs on the same thread, within `poll`) can both reach it; the
 //! lock is never contended.
+//!
+//! A commit is done when the broker says so: every answer, from the commit callback or a
+//! synchronous commit, per partition, goes back to the offset tracker, which sends unconfirmed
+//! watermarks again. Shutdown keeps serving the consumer while it drains (rebalances, commit
+//! answers, `max.poll.interval.ms`), commits progress as it goes, and reports a final commit
+//! that failed as a failure of the run.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -25,7 +31,7 @@ use std::time::{Duration, Instant};
 use rdkafka::client::ClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
-use rdkafka::error::{KafkaError, KafkaResult};
+use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
 use rdkafka::message::BorrowedMessage;
 use rdkafka::{Message, Offset as KafkaOffset, TopicPartitionList};
 use tokio::sync::mpsc;
@@ -44,6 +50,7 @@ use crate::partition_queues::{self, PartitionQueues};
 use crate::producer::StageProducer;
 use crate::record::{InputRecord, Lease};
 use crate::routing::SessionRouter;
+use crate::settle::{Outcome, Settler};
 
 /// How long an idle loop waits for records before it serves events and chores again.
 const POLL_TIMEOUT: Duration = Duration::from_millis(20);
@@ -67,6 +74,9 @@ pub struct IntakeSettings {
     pub revoke_drain_timeout: Duration,
     /// Longest wait for in-flight records at shutdown.
     pub shutdown_timeout: Duration,
+    /// At shutdown, also process the records queued behind each session's current one
+    /// (otherwise they are released to the partition's next owner).
+    pub shutdown_drain_queued: bool,
 }
 
 /// The consumer settings the guarantees rely on, then the user's extra properties.
@@ -165,13 +175,17 @@ impl Book {
         }
     }
 
-    /// Watermarks of `partitions` (all when `None`) as a commit list; marks them committed.
+    /// Watermarks of `partitions` (all when `None`) to send now, as a commit list; marks them
+    /// sent. `force` sends every watermark, confirmed or not (a final commit).
     fn commit_list(&mut self, only: Option<&[Partition]>, force: bool) -> TopicPartitionList {
         let mut tpl = TopicPartitionList::new();
         let mut chosen: Vec<(Partition, i64)> = Vec::new();
-        for (p, offsets) in self.tracker.partitions() {
+        for (p, offsets) in self.tracker.partitions_mut() {
             if only.is_some_and(|ps| !ps.contains(&p)) {
                 continue;
+            }
+            if !force {
+                offsets.tick();
             }
             let candidate = if force {
                 offsets.watermark()
@@ -187,7 +201,7 @@ impl Book {
                 continue;
             };
             let map = offset_map::encode(w, o.next().unwrap_or(w), o.in_flight_offsets());
-            o.mark_committed(w);
+            o.mark_sent(w);
             let overflow = matches!(map, Err(offset_map::MapError::TooLarge(_)));
             if let Some(state) = self.partitions.get_mut(&p) {
                 if overflow && !state.map_overflow {
@@ -206,6 +220,75 @@ impl Book {
         }
         tpl
     }
+
+    /// Takes the broker's answer to a commit of `tpl` (the whole request's `result`, and each
+    /// partition's own error) into the tracker. Returns how many partitions failed.
+    fn commit_answered(
+        &mut self,
+        result: &KafkaResult<()>,
+        tpl: &TopicPartitionList,
+        metrics: &Metrics,
+    ) -> usize {
+        let mut failed = 0;
+        for el in tpl.elements_for_topic(&self.topic) {
+            let KafkaOffset::Offset(offset) = el.offset() else {
+                continue;
+            };
+            let Some(o) = self.tracker.partition_mut(el.partition()) else {
+                continue; // revoked meanwhile
+            };
+            match (result.as_ref().err(), el.error().err()) {
+                (None, None) => {
+                    o.commit_confirmed(offset);
+                    metrics
+                        .committed_offset
+                        .with_label_values(&[el.topic(), &el.partition().to_string()])
+                        .set(offset);
+                }
+                (Some(e), _) => {
+                    failed += 1;
+                    o.commit_failed(offset);
+                    metrics.commit_errors.inc();
+                    tracing::warn!(error = %e, partition = el.partition(), offset,
+                        "offset commit failed; will send it again");
+                }
+                (None, Some(e)) => {
+                    failed += 1;
+                    o.commit_failed(offset);
+                    metrics.commit_errors.inc();
+                    tracing::warn!(error = %e, partition = el.partition(), offset,
+                        "offset commit failed; will send it again");
+                }
+            }
+        }
+        let failing = self
+            .tracker
+            .partitions()
+            .filter(|(_, o)| o.is_failing())
+            .count();
+        metrics.commit_failing_partitions.set(failing as i64);
+        failed
+    }
+
+    /// Drops `partitions` without a drain or a commit: their leases are revoked (results of
+    /// their records are no longer written), their parked records released.
+    fn forget(&mut self, partitions: &[Partition]) {
+        for p in partitions {
+            if let Some(state) = self.partitions.remove(p) {
+                state.lease.revoke();
+            }
+            self.tracker.revoke(*p);
+            if let Ok(mut a) = self.assigned.lock() {
+                a.remove(p);
+            }
+        }
+        self.assignment_version += 1;
+    }
+
+    /// Results of `leases` still on their way to the broker.
+    fn writes_in_flight(leases: &[Arc<Lease>]) -> u64 {
+        leases.iter().map(|l| l.writes_in_flight()).sum()
+    }
 }
 
 /// The librdkafka context: rebalance and commit callbacks, with access to the [`Book`].
@@ -216,6 +299,8 @@ pub struct IntakeContext {
     health: Arc<Health>,
     /// Set once shutdown has drained and committed: later revocations (from close) just drop.
     closing: AtomicBool,
+    /// Cancelled on a fatal client error: the worker stops and exits non-zero.
+    fatal: CancellationToken,
 }
 
 impl IntakeContext {
@@ -231,13 +316,16 @@ impl IntakeContext {
             if book.partitions.contains_key(&p) {
                 continue;
             }
-            let done_above = committed
-                .get(&p)
-                .cloned()
-                .unwrap_or_else(|| DoneAbove::empty(0));
+            let (confirmed, done_above) = match committed.get(&p) {
+                Some((w, map)) => (Some(*w), map.clone()),
+                None => (None, DoneAbove::empty(0)),
+            };
             book.next_epoch += 1;
             let lease = Arc::new(Lease::new(p, book.next_epoch));
             book.tracker.assign(p);
+            if let (Some(w), Some(o)) = (confirmed, book.tracker.partition_mut(p)) {
+                o.set_confirmed(w);
+            }
             if let Ok(mut a) = book.assigned.lock() {
                 a.insert(p);
             }
@@ -257,13 +345,13 @@ impl IntakeContext {
         book.assignment_version += 1;
     }
 
-    /// The completed-offset maps committed for the newly assigned partitions (empty where the
-    /// broker kept no metadata).
+    /// The committed offsets of the newly assigned partitions, each with its completed-offset
+    /// map (empty where the broker kept no metadata, or where the map cannot be trusted).
     fn committed_maps(
         &self,
         consumer: &BaseConsumer<IntakeContext>,
         tpl: &TopicPartitionList,
-    ) -> HashMap<Partition, DoneAbove> {
+    ) -> HashMap<Partition, (i64, DoneAbove)> {
         let mut maps = HashMap::new();
         let committed = match consumer.committed_offsets(tpl.clone(), Duration::from_secs(10)) {
             Ok(c) => c,
@@ -272,11 +360,12 @@ impl IntakeContext {
                 return maps;
             }
         };
+        let cap = self.settings.max_in_flight_per_partition;
         for e in committed.elements_for_topic(&self.settings.input) {
             let KafkaOffset::Offset(w) = e.offset() else {
                 continue;
             };
-            match offset_map::decode(w, e.metadata()) {
+            let map = match offset_map::decode_within(w, e.metadata(), cap) {
                 Ok(map) => {
                     if map.count() > 0 {
                         tracing::info!(
@@ -286,16 +375,24 @@ impl IntakeContext {
                             "resuming with a completed-offset map"
                         );
                     }
-                    maps.insert(e.partition(), map);
+                    map
                 }
-                Err(err) => tracing::warn!(partition = e.partition(), error = %err,
-                    "ignoring commit metadata; replaying from the watermark"),
-            }
+                Err(err) => {
+                    self.metrics.offset_maps_ignored.inc();
+                    tracing::warn!(partition = e.partition(), watermark = w, error = %err,
+                        "ignoring the completed-offset map; replaying from the watermark");
+                    DoneAbove::empty(w)
+                }
+            };
+            maps.insert(e.partition(), (w, map));
         }
         maps
     }
 
-    /// Revocation: stop routing, let in-flight records finish (bounded), commit, forget.
+    /// Revocation: stop routing, let in-flight records finish (bounded), wait for the results
+    /// already on their way, commit, forget. A *lost* assignment (session timeout, fenced
+    /// member) is forgotten at once: another member may already own it, so neither a drain nor
+    /// a commit (bound to fail) makes sense.
     fn on_revoke(&self, consumer: &BaseConsumer<IntakeContext>, tpl: &TopicPartitionList) {
         let partitions: Vec<Partition> = tpl
             .elements_for_topic(&self.settings.input)
@@ -303,76 +400,140 @@ impl IntakeContext {
             .map(|e| e.partition())
             .collect();
         let mut book = self.book();
+        let mut leases = Vec::new();
         for p in &partitions {
             if let Some(state) = book.partitions.get(p) {
-                state.lease.revoke();
+                state.lease.drain();
+                leases.push(state.lease.clone());
             }
             book.drop_pending(*p);
         }
-        if !self.closing.load(Ordering::Acquire) {
-            let deadline = Instant::now() + self.settings.revoke_drain_timeout;
-            book = drain(book, &partitions, deadline, &self.metrics);
+        if consumer.assignment_lost() {
+            leases.iter().for_each(|l| l.revoke());
+            self.metrics.lost_partitions.inc_by(partitions.len() as u64);
+            tracing::warn!(
+                ?partitions,
+                unfinished = book.unreleased(&partitions),
+                "partitions lost (session timeout or fenced): dropped without drain or commit"
+            );
+        } else if !self.closing.load(Ordering::Acquire) {
+            let drain_for = self.settings.revoke_drain_timeout;
+            book = drain(book, &partitions, Instant::now() + drain_for, self);
+            // Handlers still running past the deadline write nothing from now on; results
+            // already sent must land before the partition changes hands.
+            leases.iter().for_each(|l| l.revoke());
+            book = drain_writes(book, &leases, Instant::now() + drain_for, self);
+            let late = Book::writes_in_flight(&leases);
+            if late > 0 {
+                self.metrics.late_writes.inc_by(late);
+                tracing::error!(
+                    late,
+                    ?partitions,
+                    "results of revoked partitions still unacknowledged; they may land after \
+                     the new owner's"
+                );
+            }
             let tpl = book.commit_list(Some(&partitions), true);
             if tpl.count() > 0 {
-                match consumer.commit(&tpl, CommitMode::Sync) {
-                    Ok(()) => record_committed(&self.metrics, &tpl),
-                    Err(e) => {
-                        self.metrics.commit_errors.inc();
-                        tracing::warn!(error = %e, "final commit of revoked partitions failed");
-                    }
+                let result = consumer.commit(&tpl, CommitMode::Sync);
+                if book.commit_answered(&result, &tpl, &self.metrics) > 0 {
+                    self.metrics.final_commit_failures.inc();
+                    tracing::warn!(
+                        "final commit of revoked partitions failed; their progress \
+                        since the last commit will be replayed by the next owner"
+                    );
                 }
             }
         }
         for p in &partitions {
             let unfinished = book.unreleased(&[*p]);
-            book.partitions.remove(p);
-            book.tracker.revoke(*p);
-            if let Ok(mut a) = book.assigned.lock() {
-                a.remove(p);
-            }
             tracing::info!(partition = p, unfinished, "partition revoked");
         }
-        book.assignment_version += 1;
+        book.forget(&partitions);
+        self.metrics.in_flight.set(book.tracker.in_flight() as i64);
+    }
+
+    /// A rebalance error: librdkafka has dropped partitions (all of them with the eager
+    /// protocol). Forget every partition it no longer has assigned, rather than keep leases
+    /// nobody holds; they will be assigned again.
+    fn on_rebalance_error(&self, consumer: &BaseConsumer<IntakeContext>, error: &KafkaError) {
+        let still: Vec<Partition> = consumer
+            .assignment()
+            .map(|tpl| {
+                tpl.elements_for_topic(&self.settings.input)
+                    .iter()
+                    .map(|e| e.partition())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let mut book = self.book();
+        let dropped: Vec<Partition> = book
+            .partitions
+            .keys()
+            .copied()
+            .filter(|p| !still.contains(p))
+            .collect();
+        tracing::warn!(error = %error, ?dropped,
+            "rebalance error: dropping the state of partitions no longer assigned");
+        for p in &dropped {
+            book.drop_pending(*p);
+        }
+        book.forget(&dropped);
         self.metrics.in_flight.set(book.tracker.in_flight() as i64);
     }
 }
 
 /// Waits (releasing nothing) until the given partitions have nothing unreleased, or `deadline`.
+/// The loop is draining, not wedged: it keeps its liveness heartbeat.
 fn drain<'a>(
     mut book: MutexGuard<'a, Book>,
     partitions: &[Partition],
     deadline: Instant,
-    metrics: &Metrics,
+    ctx: &IntakeContext,
 ) -> MutexGuard<'a, Book> {
     loop {
-        book.apply_ready(metrics);
+        ctx.health.beat();
+        book.apply_ready(&ctx.metrics);
         if book.unreleased(partitions) == 0 || Instant::now() >= deadline {
             return book;
         }
         if let Ok(c) = book.completions.recv_timeout(DRAIN_CHECK) {
-            book.apply(c, metrics);
+            book.apply(c, &ctx.metrics);
         }
     }
 }
 
-fn record_committed(metrics: &Metrics, tpl: &TopicPartitionList) {
-    for e in tpl.elements() {
-        if let KafkaOffset::Offset(o) = e.offset() {
-            metrics
-                .committed_offset
-                .with_label_values(&[e.topic(), &e.partition().to_string()])
-                .set(o);
+/// Waits until no result of `leases` is on its way to the broker any more, or `deadline`.
+fn drain_writes<'a>(
+    mut book: MutexGuard<'a, Book>,
+    leases: &[Arc<Lease>],
+    deadline: Instant,
+    ctx: &IntakeContext,
+) -> MutexGuard<'a, Book> {
+    loop {
+        ctx.health.beat();
+        book.apply_ready(&ctx.metrics);
+        if Book::writes_in_flight(leases) == 0 || Instant::now() >= deadline {
+            return book;
+        }
+        if let Ok(c) = book.completions.recv_timeout(DRAIN_CHECK) {
+            book.apply(c, &ctx.metrics);
         }
     }
 }
 
 impl ClientContext for IntakeContext {
     fn error(&self, error: KafkaError, reason: &str) {
-        if matches!(
-            error.rdkafka_error_code(),
-            Some(rdkafka::types::RDKafkaErrorCode::AllBrokersDown)
-        ) {
-            self.health.set_ready(false);
+        match error.rdkafka_error_code() {
+            Some(RDKafkaErrorCode::AllBrokersDown) => self.health.set_ready(false),
+            Some(RDKafkaErrorCode::Fatal) => {
+                self.metrics.fatal_errors.inc();
+                self.health.fail();
+                tracing::error!(error = %error, reason, "fatal consumer error: the worker stops");
+                self.fatal.cancel();
+                return;
+            }
+            _ => {}
         }
         tracing::warn!(error = %error, reason, "kafka client error");
     }
@@ -400,26 +561,13 @@ impl ConsumerContext for IntakeContext {
     fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         match rebalance {
             Rebalance::Assign(tpl) => self.on_assign(consumer, tpl),
-            Rebalance::Error(e) => tracing::warn!(error = %e, "rebalance error"),
+            Rebalance::Error(e) => self.on_rebalance_error(consumer, e),
             Rebalance::Revoke(_) => {}
         }
     }
 
     fn commit_callback(&self, result: KafkaResult<()>, offsets: &TopicPartitionList) {
-        match result {
-            Ok(()) => record_committed(&self.metrics, offsets),
-            Err(e) => {
-                self.metrics.commit_errors.inc();
-                tracing::warn!(error = %e, "offset commit failed; will retry");
-                // Forget the optimistic marks so the next turn commits again.
-                let mut book = self.book();
-                for el in offsets.elements() {
-                    if let Some(o) = book.tracker.partition_mut(el.partition()) {
-                        o.forget_committed();
-                    }
-                }
-            }
-        }
+        self.book().commit_answered(&result, offsets, &self.metrics);
     }
 }
 
@@ -431,8 +579,32 @@ pub struct IntakeLoop {
     router: SessionRouter,
     producer: StageProducer,
     runtime: tokio::runtime::Handle,
-    stop: CancellationToken,
-    abort: CancellationToken,
+    tokens: IntakeTokens,
+}
+
+/// How the consumer loop is told to stop, and tells the sessions to.
+#[derive(Clone, Default)]
+pub struct IntakeTokens {
+    /// Stop taking records; drain; commit; close.
+    pub stop: CancellationToken,
+    /// Cancelled by the loop when the shutdown deadline passes: sessions give up mid-record.
+    pub abort: CancellationToken,
+    /// Cancelled by the loop at shutdown (unless draining everything queued): sessions release
+    /// what is queued behind their current record.
+    pub release_queued: CancellationToken,
+    /// Cancelled on a fatal client error (by either client): stop at once, exit non-zero.
+    pub fatal: CancellationToken,
+}
+
+/// Why the consumer loop ended badly.
+#[derive(Debug, thiserror::Error)]
+pub enum IntakeError {
+    #[error("subscribing to the input topic failed: {0}")]
+    Subscribe(KafkaError),
+    #[error("the final commit failed ({0}); progress since the last commit will be replayed")]
+    FinalCommit(String),
+    #[error("a fatal Kafka client error stopped the worker")]
+    Fatal,
 }
 
 impl IntakeLoop {
@@ -447,8 +619,7 @@ impl IntakeLoop {
         metrics: Metrics,
         health: Arc<Health>,
         runtime: tokio::runtime::Handle,
-        stop: CancellationToken,
-        abort: CancellationToken,
+        tokens: IntakeTokens,
     ) -> KafkaResult<Self> {
         let context = IntakeContext {
             book: Mutex::new(Book {
@@ -464,6 +635,7 @@ impl IntakeLoop {
             metrics,
             health,
             closing: AtomicBool::new(false),
+            fatal: tokens.fatal.clone(),
         };
         let consumer: Arc<BaseConsumer<IntakeContext>> =
             Arc::new(config.create_with_context(context)?);
@@ -474,8 +646,7 @@ impl IntakeLoop {
             router,
             producer,
             runtime,
-            stop,
-            abort,
+            tokens,
         })
     }
 
@@ -483,20 +654,23 @@ impl IntakeLoop {
         self.consumer.context()
     }
 
-    /// Runs until `stop` is cancelled, then drains, commits and closes.
-    pub fn run(self) {
+    /// Runs until `stop` (or `fatal`) is cancelled, then drains, commits and closes.
+    pub fn run(self) -> Result<(), IntakeError> {
         if !self.wait_for_input_topic() {
-            return self.close();
+            let result = self.fatal_or(Ok(()));
+            self.close();
+            return result;
         }
         if let Err(e) = self.consumer.subscribe(&[&self.ctx().settings.input]) {
             tracing::error!(error = %e, "subscribe failed");
-            return self.close();
+            self.close();
+            return Err(IntakeError::Subscribe(e));
         }
         let mut queues = PartitionQueues::new(self.consumer.clone(), &self.ctx().settings.input);
         let mut seen_assignment = 0;
         let mut last_commit = Instant::now();
         let mut last_health = Instant::now();
-        while !self.stop.is_cancelled() {
+        while !self.stopping() {
             self.ctx().health.beat();
             // Events (rebalances run in here) and records not in a partition queue yet; after a
             // queue is split off, the main queue once more: its records of that partition are
@@ -536,7 +710,20 @@ impl IntakeLoop {
             }
         }
         drop(queues);
-        self.shutdown();
+        self.shutdown()
+    }
+
+    fn stopping(&self) -> bool {
+        self.tokens.stop.is_cancelled() || self.tokens.fatal.is_cancelled()
+    }
+
+    /// `result`, unless a fatal error ended the run.
+    fn fatal_or(&self, result: Result<(), IntakeError>) -> Result<(), IntakeError> {
+        if self.tokens.fatal.is_cancelled() {
+            Err(IntakeError::Fatal)
+        } else {
+            result
+        }
     }
 
     /// Serves the consumer's events and takes every record waiting in its main queue. True
@@ -611,15 +798,22 @@ impl IntakeLoop {
             InputRecord::from_message(message, book.topic.clone(), &ctx.settings.session, lease);
         if record.session.is_none() {
             let producer = self.producer.clone();
+            let metrics = ctx.metrics.clone();
+            let health = ctx.health.clone();
+            let abort = self.tokens.abort.clone();
             self.runtime.spawn(async move {
-                producer
-                    .dead_letter(
-                        &record,
-                        DlqReason::MissingSession,
-                        "record has no session id",
-                        0,
-                    )
-                    .await;
+                let settler = Settler {
+                    producer: &producer,
+                    metrics: &metrics,
+                    health: &health,
+                    abort: &abort,
+                };
+                let outcome = Outcome::DeadLetter {
+                    reason: DlqReason::MissingSession,
+                    error: "record has no session id".into(),
+                    attempts: 0,
+                };
+                settler.settle(&record, outcome, None, Instant::now()).await;
             });
         } else if !state.pending.is_empty() {
             state.pending.park(record);
@@ -633,7 +827,10 @@ impl IntakeLoop {
                 Offer::Closed(_) => state.unreleased -= 1,
             }
         }
-        let span = book.tracker.partition(partition).map_or(0, |p| p.span());
+        let span = book
+            .tracker
+            .partition(partition)
+            .map_or(0, |p| p.replay_span());
         if state.map_overflow
             || backpressure::should_hold(
                 state.pending.len(),
@@ -666,7 +863,7 @@ impl IntakeLoop {
                 });
                 state.unreleased = state.unreleased.saturating_sub(closed.len());
             }
-            let span = book.tracker.partition(*p).map_or(0, |o| o.span());
+            let span = book.tracker.partition(*p).map_or(0, |o| o.replay_span());
             let pending = state.pending.len();
             if state.map_overflow {
                 // The last commit could not carry the completed-offset map: hold now rather
@@ -688,33 +885,25 @@ impl IntakeLoop {
         (held > 0, released)
     }
 
-    fn commit(&self, mode: CommitMode, force: bool) {
-        let tpl = self.ctx().book().commit_list(None, force);
+    /// Sends the watermarks that need it (all, with `force`). An asynchronous commit's answer
+    /// arrives in the commit callback; a synchronous one's is taken here. Returns how many
+    /// partitions failed (always 0 for an asynchronous commit that was sent).
+    fn commit(&self, mode: CommitMode, force: bool) -> usize {
+        let ctx = self.ctx();
+        let tpl = ctx.book().commit_list(None, force);
         if tpl.count() == 0 {
-            return;
+            return 0;
         }
-        match self.consumer.commit(&tpl, mode) {
-            Ok(()) if matches!(mode, CommitMode::Sync) => {
-                record_committed(&self.ctx().metrics, &tpl)
-            }
-            Ok(()) => {} // the commit callback reports the outcome
-            Err(e) => {
-                self.ctx().metrics.commit_errors.inc();
-                tracing::warn!(error = %e, "offset commit failed");
-                let mut book = self.ctx().book();
-                for el in tpl.elements() {
-                    if let Some(o) = book.tracker.partition_mut(el.partition()) {
-                        o.forget_committed();
-                    }
-                }
-            }
+        match (self.consumer.commit(&tpl, mode), mode) {
+            (Ok(()), CommitMode::Async) => 0,
+            (result, _) => ctx.book().commit_answered(&result, &tpl, &ctx.metrics),
         }
     }
 
     /// Blocks (with retries) until the input topic exists. False when stopped meanwhile.
     fn wait_for_input_topic(&self) -> bool {
         let mut logged = false;
-        while !self.stop.is_cancelled() {
+        while !self.stopping() {
             self.ctx().health.beat();
             if self.check_broker() {
                 return true;
@@ -746,35 +935,114 @@ impl IntakeLoop {
         ok
     }
 
-    /// Stop fetching, let sessions finish up to the deadline, commit, close.
-    fn shutdown(mut self) {
+    /// Stop taking records, let sessions finish their current record (or, with
+    /// `shutdownDrainQueued`, everything queued) up to the deadline while still serving the
+    /// consumer and committing progress, wait for the results on their way, commit, close.
+    fn shutdown(mut self) -> Result<(), IntakeError> {
         let ctx = self.consumer.context();
         ctx.health.set_ready(false);
-        // No new records reach the sessions: dispatchers end when their senders are gone,
-        // session tasks finish what is queued. Parked records are released uncommitted.
+        if self.tokens.fatal.is_cancelled() {
+            // The producer cannot write any more: nothing in flight will settle.
+            self.tokens.abort.cancel();
+        }
+        if !ctx.settings.shutdown_drain_queued {
+            self.tokens.release_queued.cancel();
+        }
+        // No new records reach the sessions: dispatchers end when their senders are gone.
+        // Parked records are released uncommitted.
         self.dispatchers.clear();
-        let partitions: Vec<Partition> = {
+        {
             let mut book = ctx.book();
             let ps: Vec<Partition> = book.partitions.keys().copied().collect();
             for p in &ps {
                 book.drop_pending(*p);
             }
-            ps
-        };
-        let deadline = Instant::now() + ctx.settings.shutdown_timeout;
-        let book = drain(ctx.book(), &partitions, deadline, &ctx.metrics);
-        let unfinished = book.unreleased(&partitions);
-        drop(book);
-        if unfinished > 0 {
-            tracing::warn!(
-                unfinished,
-                "shutdown deadline passed; unfinished records will be replayed"
-            );
         }
-        self.abort.cancel();
-        self.commit(CommitMode::Sync, true);
-        tracing::info!("final watermarks committed");
+        let deadline = Instant::now() + ctx.settings.shutdown_timeout;
+        let mut last_commit = Instant::now();
+        loop {
+            ctx.health.beat();
+            let unfinished = {
+                let mut book = ctx.book();
+                book.apply_ready(&ctx.metrics);
+                let ps: Vec<Partition> = book.partitions.keys().copied().collect();
+                let unfinished = book.unreleased(&ps);
+                if unfinished > 0 {
+                    if let Ok(c) = book.completions.recv_timeout(DRAIN_CHECK) {
+                        book.apply(c, &ctx.metrics);
+                    }
+                }
+                unfinished
+            };
+            if unfinished == 0 {
+                break;
+            }
+            if Instant::now() >= deadline {
+                tracing::warn!(
+                    unfinished,
+                    "shutdown deadline passed; unfinished records will be replayed"
+                );
+                break;
+            }
+            // Keep the membership and the commits going: rebalances, commit answers and
+            // max.poll.interval.ms all need the consumer served.
+            self.serve_events_only();
+            if last_commit.elapsed() >= ctx.settings.commit_interval {
+                self.commit(CommitMode::Async, false);
+                last_commit = Instant::now();
+            }
+        }
+        self.tokens.abort.cancel();
+        let leases: Vec<Arc<Lease>> = ctx
+            .book()
+            .partitions
+            .values()
+            .map(|s| s.lease.clone())
+            .collect();
+        // Nothing is written after the final commit: the next owner redoes what was not done.
+        leases.iter().for_each(|l| l.revoke());
+        let book = drain_writes(
+            ctx.book(),
+            &leases,
+            Instant::now() + ctx.settings.revoke_drain_timeout,
+            ctx,
+        );
+        drop(book);
+        let late = Book::writes_in_flight(&leases);
+        if late > 0 {
+            ctx.metrics.late_writes.inc_by(late);
+            tracing::error!(late, "results still unacknowledged at shutdown");
+        }
+        let result = match self.commit(CommitMode::Sync, true) {
+            0 => {
+                tracing::info!("final watermarks committed");
+                Ok(())
+            }
+            failed => {
+                ctx.metrics.final_commit_failures.inc();
+                tracing::error!(
+                    failed,
+                    "final commit failed; progress since the last \
+                    confirmed commit will be replayed"
+                );
+                Err(IntakeError::FinalCommit(format!(
+                    "{failed} partition(s) not committed"
+                )))
+            }
+        };
+        let result = self.fatal_or(result);
         self.close();
+        result
+    }
+
+    /// Serves the consumer's events (rebalances, commit answers) without taking records: any
+    /// record still in the main queue is left uncommitted, for the next owner.
+    fn serve_events_only(&self) {
+        while let Some(polled) = self.consumer.poll(Duration::ZERO) {
+            if let Err(e) = polled {
+                tracing::warn!(error = %e, "consume error");
+            }
+        }
     }
 
     fn close(self) {

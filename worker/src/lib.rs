@@ -30,6 +30,7 @@ pub mod replay;
 pub mod retry;
 pub mod routing;
 pub mod session;
+pub mod settle;
 pub mod stuck;
 pub mod telemetry;
 pub mod topics;

@@ -34,6 +34,15 @@ pub struct Metrics {
     pub order_violations: IntCounterVec,
     pub replay_skipped: IntCounter,
     pub partition_lag: IntGaugeVec,
+    pub handler_panics: IntCounter,
+    pub dlq_write_errors: IntCounter,
+    pub blocked_writes: IntGauge,
+    pub late_writes: IntCounter,
+    pub commit_failing_partitions: IntGauge,
+    pub offset_maps_ignored: IntCounter,
+    pub lost_partitions: IntCounter,
+    pub final_commit_failures: IntCounter,
+    pub fatal_errors: IntCounter,
 }
 
 impl Metrics {
@@ -70,6 +79,47 @@ impl Metrics {
             "replay_skipped_total",
             "Replayed records skipped because they were already done (commit metadata or the \
              session's recent event ids).",
+        );
+        let handler_panics = counter(
+            "handler_panics_total",
+            "Handler attempts that panicked (each one retried in place as a transient failure).",
+        );
+        let dlq_write_errors = counter(
+            "dlq_write_errors_total",
+            "Dead letters the broker refused (each one retried with backoff; the record stays \
+             uncommitted until one is acknowledged).",
+        );
+        let blocked_writes = gauge(
+            "blocked_writes",
+            "Records whose dead letter keeps being refused; the worker is not ready while any is.",
+        );
+        let late_writes = counter(
+            "late_writes_total",
+            "Results of a revoked partition still unacknowledged when its revocation stopped \
+             waiting for them: they may land after the new owner's. Must stay 0.",
+        );
+        let commit_failing_partitions = gauge(
+            "commit_failing_partitions",
+            "Partitions whose last offset commit failed; their replay span is measured from the \
+             last commit the broker confirmed.",
+        );
+        let offset_maps_ignored = counter(
+            "offset_maps_ignored_total",
+            "Completed-offset maps in commit metadata ignored on assignment (another watermark, \
+             too large, or corrupt): the partition replays from the plain watermark.",
+        );
+        let lost_partitions = counter(
+            "lost_partitions_total",
+            "Partitions lost without a revocation (session timeout, fenced member): dropped \
+             without a drain or a commit.",
+        );
+        let final_commit_failures = counter(
+            "final_commit_failures_total",
+            "Shutdowns or revocations whose final commit failed: their progress will be replayed.",
+        );
+        let fatal_errors = counter(
+            "fatal_errors_total",
+            "Fatal Kafka client errors (e.g. the idempotent producer's); the worker stops.",
         );
         let in_flight = gauge("in_flight", "Records taken in and not finished.");
         let active_sessions = gauge("active_sessions", "Session tasks alive.");
@@ -159,6 +209,15 @@ impl Metrics {
             pending_records,
             produce_errors,
             commit_errors,
+            handler_panics,
+            dlq_write_errors,
+            blocked_writes,
+            late_writes,
+            commit_failing_partitions,
+            offset_maps_ignored,
+            lost_partitions,
+            final_commit_failures,
+            fatal_errors,
         }
     }
 

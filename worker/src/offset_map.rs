@@ -7,8 +7,16 @@
 //! offsets, so what is replayed is at most what was really in flight (the idea of Confluent
 //! Parallel Consumer's offset map).
 //!
-//! Encoding: `sf1` + `r` (run lengths) or `b` (bitset), whichever is shorter, + base64 of
-//! `varint(span)` followed by the runs (alternating unfinished/done, starting with unfinished —
+//! A map belongs to one watermark: it describes offsets *relative* to the watermark it was
+//! written with, so read against another committed offset (a commit that failed after a newer
+//! one landed, a rewind by an operator, a reset of the group) it would mark the wrong offsets
+//! done and skip records never processed. So the map carries its watermark, and a map whose
+//! watermark is not the committed offset — or that describes more offsets than the partition's
+//! in-flight cap allows, or does not decode — is ignored: the partition replays from the plain
+//! watermark, which is always safe.
+//!
+//! Encoding: `sf2` + `r` (run lengths) or `b` (bitset), whichever is shorter, + base64 of
+//! `varint(watermark)`, `varint(span)` followed by the runs (alternating unfinished/done, starting with unfinished —
 //! the watermark itself is unfinished by definition) or by the bitset (bit i = offset
 //! watermark+i is done). Over [`MAX_METADATA`] characters the map is not sent: the commit falls
 //! back to the plain watermark and the caller stops taking records for that partition until the
@@ -23,7 +31,9 @@ use crate::offsets::Offset;
 
 /// Commit metadata larger than this is not sent (brokers cap it near 4 KB by default).
 pub const MAX_METADATA: usize = 4_000;
-const PREFIX: &str = "sf1";
+const PREFIX: &str = "sf2";
+/// The first format, without its watermark: never trusted.
+const PREFIX_V1: &str = "sf1";
 
 /// Offsets at and above a committed watermark that are already done.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,6 +49,12 @@ pub enum MapError {
     TooLarge(usize),
     #[error("not a sessionflow offset map")]
     Foreign,
+    #[error("offset map of the first format (no watermark recorded)")]
+    Outdated,
+    #[error("offset map written for watermark {map}, but the committed offset is {committed}")]
+    OtherWatermark { map: Offset, committed: Offset },
+    #[error("offset map describes {span} offsets, more than the in-flight cap {cap}")]
+    TooWide { span: usize, cap: usize },
     #[error("corrupt offset map: {0}")]
     Corrupt(&'static str),
 }
@@ -59,6 +75,11 @@ impl DoneAbove {
                 .ok()
                 .and_then(|i| self.done.get(i).copied())
                 .unwrap_or(false)
+    }
+
+    /// How many offsets above the watermark the map describes.
+    pub fn span(&self) -> usize {
+        self.done.len()
     }
 
     /// How many offsets are known to be done.
@@ -106,11 +127,13 @@ pub fn encode(
         runs.push(position - start);
     }
     let mut rle = Vec::new();
+    put_varint(&mut rle, watermark as u64);
     put_varint(&mut rle, span);
     for r in &runs {
         put_varint(&mut rle, *r);
     }
     let mut bits = Vec::new();
+    put_varint(&mut bits, watermark as u64);
     put_varint(&mut bits, span);
     let mut bitset = vec![0u8; span.div_ceil(8) as usize];
     let mut next_incomplete = incomplete.iter().peekable();
@@ -134,11 +157,15 @@ pub fn encode(
     Ok(text)
 }
 
-/// Decodes commit metadata written by [`encode`] for a commit at `watermark`. Empty metadata
-/// (nothing done above, or a broker that dropped it) decodes to an empty map.
+/// Decodes commit metadata written by [`encode`], read with the committed offset `watermark`.
+/// Empty metadata (nothing done above, or a broker that dropped it) decodes to an empty map; a
+/// map written for another watermark is refused.
 pub fn decode(watermark: Offset, metadata: &str) -> Result<DoneAbove, MapError> {
     if metadata.is_empty() {
         return Ok(DoneAbove::empty(watermark));
+    }
+    if metadata.starts_with(PREFIX_V1) {
+        return Err(MapError::Outdated);
     }
     let rest = metadata.strip_prefix(PREFIX).ok_or(MapError::Foreign)?;
     let mut chars = rest.chars();
@@ -147,6 +174,14 @@ pub fn decode(watermark: Offset, metadata: &str) -> Result<DoneAbove, MapError> 
         .decode(chars.as_str())
         .map_err(|_| MapError::Corrupt("bad base64"))?;
     let mut input = payload.as_slice();
+    let written_for = i64::try_from(get_varint(&mut input)?)
+        .map_err(|_| MapError::Corrupt("watermark out of range"))?;
+    if written_for != watermark {
+        return Err(MapError::OtherWatermark {
+            map: written_for,
+            committed: watermark,
+        });
+    }
     let span = get_varint(&mut input)?;
     if span > (MAX_METADATA as u64) * 8 * 1024 {
         return Err(MapError::Corrupt("span too large"));
@@ -181,6 +216,19 @@ pub fn decode(watermark: Offset, metadata: &str) -> Result<DoneAbove, MapError> 
         _ => return Err(MapError::Corrupt("unknown kind")),
     }
     Ok(DoneAbove { watermark, done })
+}
+
+/// [`decode`], refusing a map that describes more than `cap` offsets: no owner with the same
+/// in-flight cap could have written it.
+pub fn decode_within(watermark: Offset, metadata: &str, cap: usize) -> Result<DoneAbove, MapError> {
+    let map = decode(watermark, metadata)?;
+    if map.span() > cap {
+        return Err(MapError::TooWide {
+            span: map.span(),
+            cap,
+        });
+    }
+    Ok(map)
 }
 
 fn put_varint(out: &mut Vec<u8>, mut v: u64) {
@@ -230,10 +278,10 @@ mod tests {
     #[test]
     fn long_runs_prefer_rle_and_scattered_prefer_bitset() {
         let rle = encode(0, 100_000, [0]).unwrap();
-        assert!(rle.starts_with("sf1r") && rle.len() < 16, "{rle}");
+        assert!(rle.starts_with("sf2r") && rle.len() < 16, "{rle}");
         let scattered: Vec<i64> = (0..2_000).step_by(2).collect();
         let bits = encode(0, 2_000, scattered).unwrap();
-        assert!(bits.starts_with("sf1b"), "{bits}");
+        assert!(bits.starts_with("sf2b"), "{bits}");
     }
 
     #[test]
@@ -248,11 +296,67 @@ mod tests {
     #[test]
     fn foreign_and_corrupt_metadata_are_errors() {
         assert_eq!(decode(0, "hello"), Err(MapError::Foreign));
-        assert!(matches!(decode(0, "sf1r!!!"), Err(MapError::Corrupt(_))));
-        assert!(matches!(decode(0, "sf1x"), Err(MapError::Corrupt(_))));
+        assert!(matches!(decode(0, "sf2r!!!"), Err(MapError::Corrupt(_))));
+        assert!(matches!(decode(0, "sf2x"), Err(MapError::Corrupt(_))));
+        assert_eq!(decode(0, "sf1rAQ"), Err(MapError::Outdated));
+    }
+
+    #[test]
+    fn a_map_read_with_another_watermark_is_refused() {
+        let text = encode(100, 105, [100, 103]).unwrap();
+        // Rewound (an operator reset the group) and advanced (a later commit landed first).
+        for committed in [0, 99, 101, 104, 1_000] {
+            assert_eq!(
+                decode(committed, &text),
+                Err(MapError::OtherWatermark {
+                    map: 100,
+                    committed
+                })
+            );
+        }
+        assert!(decode(100, &text).is_ok());
+    }
+
+    #[test]
+    fn a_map_wider_than_the_cap_is_refused() {
+        let text = encode(0, 500, [0, 7]).unwrap();
+        assert!(decode_within(0, &text, 500).is_ok());
+        assert_eq!(
+            decode_within(0, &text, 499),
+            Err(MapError::TooWide {
+                span: 500,
+                cap: 499
+            })
+        );
     }
 
     proptest! {
+        /// Whatever the metadata, decoding never panics, and anything it accepts for a
+        /// watermark lies at or above that watermark and within the cap.
+        #[test]
+        fn arbitrary_metadata_never_marks_offsets_below_the_watermark(
+            watermark in 0i64..1_000_000,
+            text in "(sf2[rb])?[A-Za-z0-9+/]{0,40}",
+            cap in 1usize..5_000,
+        ) {
+            if let Ok(map) = decode_within(watermark, &text, cap) {
+                prop_assert!(map.span() <= cap);
+                prop_assert!(!map.is_done(watermark - 1));
+                prop_assert!(!map.is_done(watermark + cap as i64));
+            }
+        }
+
+        /// A map is accepted only for the watermark it was written with.
+        #[test]
+        fn a_map_is_accepted_only_for_its_own_watermark(
+            watermark in 0i64..1_000_000,
+            other in 0i64..1_000_000,
+            span in 2i64..500,
+        ) {
+            let text = encode(watermark, watermark + span, [watermark]).unwrap();
+            prop_assert_eq!(decode(other, &text).is_ok(), other == watermark);
+        }
+
         #[test]
         fn round_trips(watermark in 0i64..1_000_000, span in 1u64..3_000, seed in any::<u64>()) {
             // The watermark itself is unfinished; others unfinished by a seeded pattern.

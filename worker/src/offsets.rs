@@ -7,6 +7,13 @@
 //! delivers (compaction, transaction markers) are simply never begun, so gaps in the offset space
 //! need no special case.
 //!
+//! A watermark counts as committed only once the broker has confirmed it. A commit is *sent*,
+//! then *confirmed* or *failed* by the broker's answer; a watermark sent and never answered is
+//! sent again after a few commit turns, so a lost or misrouted answer cannot freeze the
+//! partition's committed offset while every probe looks green. While commits fail, what a
+//! crash would replay grows from the last *confirmed* commit, not from the watermark: that is
+//! the span the in-flight cap is checked against then (see [`PartitionOffsets::replay_span`]).
+//!
 //! This module is pure bookkeeping — no Kafka, no tokio — so it can be tested exhaustively.
 
 use std::collections::{BTreeSet, HashMap};
@@ -23,11 +30,21 @@ pub struct PartitionOffsets {
     in_flight: BTreeSet<Offset>,
     /// One past the highest offset begun; `None` until the first record.
     next: Option<Offset>,
-    /// The last watermark handed to the broker, to skip commits that would change nothing.
-    committed: Option<Offset>,
-    /// Something completed since the last commit (the completed-offset map changed).
+    /// The first offset begun in this assignment: where a replay starts when nothing was
+    /// ever confirmed.
+    first: Option<Offset>,
+    /// The last watermark the broker confirmed (or the committed offset found on assignment).
+    confirmed: Option<Offset>,
+    /// The last watermark sent and not yet answered, and for how many commit turns.
+    sent: Option<(Offset, u32)>,
+    /// The last commit answered failed, and no later one succeeded yet.
+    failing: bool,
+    /// Something completed since the last commit was sent (the completed-offset map changed).
     dirty: bool,
 }
+
+/// Commit turns a sent, unanswered watermark waits before it is sent again.
+pub const RESEND_AFTER_TURNS: u32 = 5;
 
 impl PartitionOffsets {
     /// Records that `offset` was handed out for processing. Offsets must be begun in increasing
@@ -41,6 +58,7 @@ impl PartitionOffsets {
         }
         self.in_flight.insert(offset);
         self.next = Some(offset + 1);
+        self.first.get_or_insert(offset);
         Ok(())
     }
 
@@ -60,24 +78,95 @@ impl PartitionOffsets {
         self.in_flight.first().copied().or(self.next)
     }
 
-    /// The watermark if it, or the set of completed offsets above it, changed since the last
-    /// [`mark_committed`](Self::mark_committed).
+    /// The watermark to send now: it is not confirmed yet (or the completed-offset map above
+    /// it changed), and it is not already on its way (unless unanswered for
+    /// [`RESEND_AFTER_TURNS`] turns).
     pub fn commit_candidate(&self) -> Option<Offset> {
         let watermark = self.watermark()?;
-        (self.committed != Some(watermark) || self.dirty).then_some(watermark)
+        if self.confirmed == Some(watermark) && !self.dirty {
+            return None;
+        }
+        match self.sent {
+            Some((w, turns)) if w == watermark && !self.dirty && turns < RESEND_AFTER_TURNS => None,
+            _ => Some(watermark),
+        }
     }
 
-    /// Remembers that `offset` was committed.
-    pub fn mark_committed(&mut self, offset: Offset) {
-        self.committed = Some(offset);
+    /// A commit turn passed: an unanswered commit ages.
+    pub fn tick(&mut self) {
+        if let Some((_, turns)) = &mut self.sent {
+            *turns += 1;
+        }
+    }
+
+    /// `offset` (with the map of the moment) was sent to the broker.
+    pub fn mark_sent(&mut self, offset: Offset) {
+        self.sent = Some((offset, 0));
         self.dirty = false;
     }
 
-    /// Offsets from the watermark to the newest one begun: what a crash now could replay.
+    /// The broker confirmed a commit of `offset`.
+    pub fn commit_confirmed(&mut self, offset: Offset) {
+        self.confirmed = Some(self.confirmed.map_or(offset, |c| c.max(offset)));
+        if self.sent.is_some_and(|(w, _)| w <= offset) {
+            self.sent = None;
+        }
+        self.failing = false;
+    }
+
+    /// The broker refused (or never answered) a commit of `offset`: send again next turn.
+    pub fn commit_failed(&mut self, offset: Offset) {
+        if self.confirmed.is_some_and(|c| c >= offset) {
+            return; // an older commit's failure after a newer one landed
+        }
+        if self.sent.is_some_and(|(w, _)| w == offset) {
+            self.sent = None;
+        }
+        // The map sent with it did not land either.
+        self.dirty = true;
+        self.failing = true;
+    }
+
+    /// The committed offset found on assignment (what a crash now would replay from).
+    pub fn set_confirmed(&mut self, offset: Offset) {
+        self.confirmed = Some(offset);
+    }
+
+    /// The last watermark the broker confirmed.
+    pub fn confirmed(&self) -> Option<Offset> {
+        self.confirmed
+    }
+
+    /// Whether the last commit answer was a failure.
+    pub fn is_failing(&self) -> bool {
+        self.failing
+    }
+
+    /// Offsets from the watermark to the newest one begun: what a crash now could replay
+    /// while commits keep up.
     pub fn span(&self) -> usize {
         match (self.watermark(), self.next) {
             (Some(w), Some(n)) => usize::try_from(n - w).unwrap_or(0),
             _ => 0,
+        }
+    }
+
+    /// What a crash now would replay: [`span`](Self::span) while commits succeed; while they
+    /// fail, everything from the last confirmed commit (or the first record taken in) on.
+    pub fn replay_span(&self) -> usize {
+        if !self.failing {
+            return self.span();
+        }
+        let floor = match (self.confirmed, self.first) {
+            // Below the first record fetched there is nothing to replay.
+            (Some(c), Some(f)) => c.max(f),
+            (Some(c), None) => c,
+            (None, Some(f)) => f,
+            (None, None) => return self.span(),
+        };
+        match self.next {
+            Some(n) => usize::try_from(n - floor).unwrap_or(0).max(self.span()),
+            None => self.span(),
         }
     }
 
@@ -89,16 +178,6 @@ impl PartitionOffsets {
     /// Unfinished offsets, ascending.
     pub fn in_flight_offsets(&self) -> impl Iterator<Item = Offset> + '_ {
         self.in_flight.iter().copied()
-    }
-
-    /// Forgets the last commit (it failed), so the watermark is committed again.
-    pub fn forget_committed(&mut self) {
-        self.committed = None;
-    }
-
-    /// The last committed watermark, if any.
-    pub fn committed(&self) -> Option<Offset> {
-        self.committed
     }
 
     /// Number of offsets begun and not completed.
@@ -167,6 +246,10 @@ impl OffsetTracker {
 
     pub fn partitions(&self) -> impl Iterator<Item = (Partition, &PartitionOffsets)> {
         self.partitions.iter().map(|(p, o)| (*p, o))
+    }
+
+    pub fn partitions_mut(&mut self) -> impl Iterator<Item = (Partition, &mut PartitionOffsets)> {
+        self.partitions.iter_mut().map(|(p, o)| (*p, o))
     }
 
     /// Total offsets in flight over all partitions.
@@ -238,11 +321,84 @@ mod tests {
         t.begin(0, 0).unwrap();
         t.begin(1, 7).unwrap();
         assert_eq!(t.commit_candidates(), vec![(0, 0), (1, 7)]);
-        t.partition_mut(0).unwrap().mark_committed(0);
-        t.partition_mut(1).unwrap().mark_committed(7);
+        t.partition_mut(0).unwrap().mark_sent(0);
+        t.partition_mut(1).unwrap().mark_sent(7);
+        assert!(t.commit_candidates().is_empty());
+        t.partition_mut(0).unwrap().commit_confirmed(0);
+        t.partition_mut(1).unwrap().commit_confirmed(7);
         assert!(t.commit_candidates().is_empty());
         t.complete(1, 7).unwrap();
         assert_eq!(t.commit_candidates(), vec![(1, 8)]);
+    }
+
+    #[test]
+    fn a_failed_commit_is_sent_again_and_an_unanswered_one_after_a_few_turns() {
+        let mut p = PartitionOffsets::default();
+        p.begin(0).unwrap();
+        p.complete(0).unwrap();
+        p.mark_sent(1);
+        assert_eq!(p.commit_candidate(), None);
+        p.commit_failed(1);
+        assert!(p.is_failing());
+        assert_eq!(
+            p.commit_candidate(),
+            Some(1),
+            "a failure is retried at once"
+        );
+        p.mark_sent(1);
+        for _ in 0..RESEND_AFTER_TURNS {
+            assert_eq!(p.commit_candidate(), None);
+            p.tick();
+        }
+        assert_eq!(p.commit_candidate(), Some(1), "no answer: sent again");
+        p.mark_sent(1);
+        p.commit_confirmed(1);
+        assert!(!p.is_failing());
+        assert_eq!(p.confirmed(), Some(1));
+        assert_eq!(
+            p.commit_candidate(),
+            None,
+            "idle and confirmed: nothing to send"
+        );
+    }
+
+    #[test]
+    fn an_old_failure_after_a_newer_success_changes_nothing() {
+        let mut p = PartitionOffsets::default();
+        for o in 0..10 {
+            p.begin(o).unwrap();
+            p.complete(o).unwrap();
+        }
+        p.mark_sent(10);
+        p.commit_confirmed(10);
+        p.commit_failed(5);
+        assert!(!p.is_failing());
+        assert_eq!(p.commit_candidate(), None);
+    }
+
+    #[test]
+    fn while_commits_fail_the_replay_span_counts_from_the_last_confirmed_commit() {
+        let mut p = PartitionOffsets::default();
+        p.set_confirmed(100);
+        for o in 100..150 {
+            p.begin(o).unwrap();
+            p.complete(o).unwrap();
+        }
+        p.mark_sent(150);
+        p.commit_confirmed(150);
+        for o in 150..400 {
+            p.begin(o).unwrap();
+            p.complete(o).unwrap();
+        }
+        p.begin(400).unwrap();
+        assert_eq!(p.span(), 1);
+        assert_eq!(p.replay_span(), 1, "commits succeed: the watermark span");
+        p.mark_sent(400);
+        p.commit_failed(400);
+        assert_eq!(p.replay_span(), 251, "150..=400 would be replayed");
+        p.mark_sent(400);
+        p.commit_confirmed(400);
+        assert_eq!(p.replay_span(), 1);
     }
 
     #[test]
@@ -299,6 +455,37 @@ mod tests {
             }
             prop_assert_eq!(p.watermark(), Some(offsets.last().unwrap() + 1));
             prop_assert_eq!(p.in_flight(), 0);
+        }
+
+        /// Whatever the order of sends, answers and turns, a watermark that is not confirmed
+        /// is never left without a send pending or coming: the partition converges to
+        /// committed = processed once the broker answers.
+        #[test]
+        fn unconfirmed_watermarks_are_always_sent_again(
+            events in prop::collection::vec(0u8..4, 1..200),
+        ) {
+            let mut p = PartitionOffsets::default();
+            p.begin(0).unwrap();
+            p.complete(0).unwrap();
+            let mut in_flight: Vec<Offset> = Vec::new();
+            for e in events {
+                match e {
+                    0 => if let Some(w) = p.commit_candidate() { p.mark_sent(w); in_flight.push(w); },
+                    1 => if let Some(w) = in_flight.pop() { p.commit_failed(w); },
+                    2 => { in_flight.clear(); } // answers lost
+                    _ => p.tick(),
+                }
+            }
+            // Answers lost for good: within RESEND_AFTER_TURNS turns the watermark is sent again.
+            let mut sent_again = p.confirmed() == Some(1);
+            for _ in 0..=RESEND_AFTER_TURNS {
+                if p.commit_candidate() == Some(1) {
+                    sent_again = true;
+                    break;
+                }
+                p.tick();
+            }
+            prop_assert!(sent_again);
         }
 
         /// Interleaving begins and completes (the live pattern) keeps the same invariant.

@@ -1,34 +1,37 @@
-//! Writing a stage's results: output records and dead letters, and completing their offsets.
+//! Writing a stage's results: output records and dead letters, one acknowledged write at a time.
 //!
-//! A record counts as done only once the broker has acknowledged what it produced, so the
-//! producer is where completions start. Sends are *enqueued* in session order by the session
-//! task (librdkafka keeps per-partition order, and with the idempotent producer its retries
-//! cannot reorder or duplicate), and a small task awaits each acknowledgement; the session task
-//! moves on to its next record without waiting for the round trip. One session's outputs share
-//! a key, hence a partition, hence an order.
+//! The producer only sends and reports the broker's answer; *when* a record counts as done is
+//! decided by the caller (see `settle`), which waits for that answer before the session moves
+//! on. librdkafka keeps per-partition order and, with the idempotent producer, its own retries
+//! cannot reorder or duplicate; one session's outputs share a key, hence a partition.
 //!
-//! A failed output (after librdkafka's own retries) goes to the DLQ as `produce-failed`. A
-//! failed dead letter is retried until it lands: completing it anyway would lose the record.
+//! Sends that librdkafka refuses locally because its queue is full wait and try again; any
+//! other refusal, local or from the broker after librdkafka's retries, is returned to the
+//! caller, which knows what the record needs next (the DLQ, or another try).
+//!
+//! The client's fatal errors (an idempotent producer that can no longer guarantee order) are
+//! caught by [`ProducerEvents`]: the worker goes not-ready and stops, and a restart replays
+//! what was in flight.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use rdkafka::client::ClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::OwnedHeaders;
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
-use tokio_util::task::TaskTracker;
+use tokio_util::sync::CancellationToken;
 
 use crate::completion::{Completion, CompletionSender};
 use crate::dlq::{dlq_headers, DlqReason};
+use crate::health::Health;
 use crate::metrics::Metrics;
-use crate::record::{header, InputRecord};
+use crate::record::{header, InputRecord, WritePermit};
 use crate::telemetry;
 
 /// How long to wait before re-enqueueing when librdkafka's local queue is full.
 const QUEUE_FULL_BACKOFF: Duration = Duration::from_millis(5);
-/// Backoff between attempts to write a dead letter that the broker refused.
-const DLQ_RETRY_BACKOFF: Duration = Duration::from_millis(500);
 
 /// The producer side of a stage.
 #[derive(Clone)]
@@ -37,14 +40,47 @@ pub struct StageProducer {
 }
 
 struct Inner {
-    producer: FutureProducer,
+    producer: FutureProducer<ProducerEvents>,
     output: Option<String>,
     dlq: String,
     stage: String,
     completions: CompletionSender,
     metrics: Metrics,
-    /// Acknowledgement waiters, so shutdown can wait for them.
-    acks: TaskTracker,
+}
+
+/// The producer client's error callback: a fatal error stops the worker.
+pub struct ProducerEvents {
+    pub health: Arc<Health>,
+    pub metrics: Metrics,
+    /// Cancelled on a fatal error: the worker stops and exits non-zero.
+    pub fatal: CancellationToken,
+}
+
+impl ClientContext for ProducerEvents {
+    fn error(&self, error: KafkaError, reason: &str) {
+        if error.rdkafka_error_code() == Some(RDKafkaErrorCode::Fatal) {
+            self.metrics.fatal_errors.inc();
+            self.health.fail();
+            tracing::error!(error = %error, reason,
+                "fatal producer error: the worker stops; a restart replays what was in flight");
+            self.fatal.cancel();
+        } else {
+            tracing::warn!(error = %error, reason, "kafka producer error");
+        }
+    }
+}
+
+/// Why a write did not land.
+#[derive(Debug, thiserror::Error)]
+pub enum WriteError {
+    /// librdkafka refused to send it (too large, unknown topic, a fatal client state…).
+    #[error("refused by the producer: {0}")]
+    Refused(KafkaError),
+    /// The broker did not acknowledge it after the producer's own retries.
+    #[error("not acknowledged: {0}")]
+    NotAcknowledged(KafkaError),
+    #[error("the producer was dropped before acknowledging")]
+    Dropped,
 }
 
 /// The producer settings the guarantees rely on, then the user's extra properties.
@@ -65,13 +101,14 @@ pub fn producer_config(brokers: &str, extra: &[(String, String)]) -> ClientConfi
 impl StageProducer {
     pub fn new(
         config: &ClientConfig,
+        events: ProducerEvents,
         output: Option<String>,
         dlq: String,
         stage: String,
         completions: CompletionSender,
         metrics: Metrics,
     ) -> anyhow::Result<Self> {
-        let producer: FutureProducer = config.create()?;
+        let producer: FutureProducer<ProducerEvents> = config.create_with_context(events)?;
         Ok(Self {
             inner: Arc::new(Inner {
                 producer,
@@ -80,17 +117,25 @@ impl StageProducer {
                 stage,
                 completions,
                 metrics,
-                acks: TaskTracker::new(),
             }),
         })
     }
 
-    /// Writes the output of a processed record (if any) and completes the record once the
-    /// broker has acknowledged it.
-    pub async fn output(&self, record: &InputRecord, payload: Option<Vec<u8>>) {
-        let (Some(topic), Some(payload)) = (self.inner.output.as_deref(), payload) else {
-            self.complete(record);
-            return;
+    /// Whether this stage writes outputs at all (a terminal stage does not).
+    pub fn has_output(&self) -> bool {
+        self.inner.output.is_some()
+    }
+
+    /// Writes the output of a processed record and waits for the broker's acknowledgement.
+    /// The permit proves the record's partition is still this worker's.
+    pub async fn write_output(
+        &self,
+        record: &InputRecord,
+        payload: &[u8],
+        _permit: &WritePermit,
+    ) -> Result<(), WriteError> {
+        let Some(topic) = self.inner.output.as_deref() else {
+            return Ok(());
         };
         let traceparent = telemetry::traceparent(record).unwrap_or_default();
         let mut extra = vec![(header::EVENT_ID, record.event_id.as_bytes())];
@@ -99,116 +144,46 @@ impl StageProducer {
         }
         let headers = record.headers_with(&[header::EVENT_ID, header::TRACEPARENT], &extra);
         let key = record.session.as_deref().unwrap_or_default();
-        let ack = match self
-            .enqueue_keyed(topic, Some(key), Some(&payload), headers)
+        let ack = self
+            .enqueue(topic, Some(key), Some(payload), headers)
             .await
-        {
-            Ok(ack) => ack,
-            Err(e) => {
-                // Refused locally (e.g. larger than message.max.bytes): it never will be sent.
-                self.inner.metrics.produce_errors.inc();
-                tracing::warn!(error = %e, partition = record.partition, offset = record.offset,
-                    session = %record.session_str(), "output refused by the producer; sending to DLQ");
-                return self
-                    .dead_letter(record, DlqReason::ProduceFailed, &e.to_string(), 1)
-                    .await;
-            }
-        };
-        let this = self.clone();
-        let record = record.clone();
-        self.inner.acks.spawn(async move {
-            match ack.await {
-                Ok(Ok(_)) => {
-                    this.inner.metrics.records_out.inc();
-                    this.complete(&record);
-                }
-                Ok(Err((e, _))) => {
-                    this.inner.metrics.produce_errors.inc();
-                    tracing::warn!(error = %e, partition = record.partition, offset = record.offset,
-                        session = %record.session_str(), "output not acknowledged; sending to DLQ");
-                    this.dead_letter(&record, DlqReason::ProduceFailed, &e.to_string(), 1)
-                        .await;
-                }
-                Err(_) => tracing::error!("producer dropped before acknowledging"),
-            }
-        });
+            .map_err(WriteError::Refused)?;
+        acknowledged(ack).await?;
+        self.inner.metrics.records_out.inc();
+        Ok(())
     }
 
-    /// Writes `record` to the DLQ and completes it once the broker has acknowledged it.
-    pub async fn dead_letter(
+    /// Writes `record` to the DLQ (one try) and waits for the broker's acknowledgement.
+    pub async fn write_dead_letter(
         &self,
         record: &InputRecord,
         reason: DlqReason,
         error: &str,
         attempts: u32,
-    ) {
-        tracing::warn!(reason = reason.as_str(), error, partition = record.partition,
-            offset = record.offset, session = %record.session_str(), event_id = %record.event_id,
-            "record to DLQ");
-        let this = self.clone();
-        let record = record.clone();
-        let error = error.to_string();
-        let first = self
-            .enqueue_dead_letter(&record, reason, &error, attempts)
-            .await;
-        self.inner.acks.spawn(async move {
-            let mut ack = first;
-            loop {
-                match ack.await {
-                    Ok(Ok(_)) => break,
-                    Ok(Err((e, _))) => {
-                        tracing::error!(error = %e, topic = %this.inner.dlq,
-                            "DLQ write failed; retrying (the record stays uncommitted)");
-                        tokio::time::sleep(DLQ_RETRY_BACKOFF).await;
-                    }
-                    Err(_) => return,
-                }
-                ack = this
-                    .enqueue_dead_letter(&record, reason, &error, attempts)
-                    .await;
-            }
-            this.inner
-                .metrics
-                .dlq
-                .with_label_values(&[reason.as_str()])
-                .inc();
-            this.complete(&record);
-        });
-    }
-
-    async fn enqueue_dead_letter(
-        &self,
-        record: &InputRecord,
-        reason: DlqReason,
-        error: &str,
-        attempts: u32,
-    ) -> DeliveryFuture {
-        loop {
-            let headers = dlq_headers(record, &self.inner.stage, reason, error, attempts);
-            let queued = self
-                .enqueue_keyed(
-                    &self.inner.dlq,
-                    record.key.as_deref(),
-                    record.value.as_deref(),
-                    headers,
-                )
-                .await;
-            match queued {
-                Ok(ack) => return ack,
-                Err(e) => {
-                    // The dead letter is the input record itself; if even that is refused, the
-                    // only safe thing is to keep it uncommitted and say so loudly.
-                    tracing::error!(error = %e, topic = %self.inner.dlq,
-                        "DLQ record refused by the producer; retrying");
-                    tokio::time::sleep(DLQ_RETRY_BACKOFF).await;
-                }
-            }
-        }
+        _permit: &WritePermit,
+    ) -> Result<(), WriteError> {
+        let headers = dlq_headers(record, &self.inner.stage, reason, error, attempts);
+        let ack = self
+            .enqueue(
+                &self.inner.dlq,
+                record.key.as_deref(),
+                record.value.as_deref(),
+                headers,
+            )
+            .await
+            .map_err(WriteError::Refused)?;
+        acknowledged(ack).await?;
+        self.inner
+            .metrics
+            .dlq
+            .with_label_values(&[reason.as_str()])
+            .inc();
+        Ok(())
     }
 
     /// Enqueues one record, waiting while librdkafka's local queue is full. Other local
     /// refusals are returned: they do not go away by waiting.
-    async fn enqueue_keyed(
+    async fn enqueue(
         &self,
         topic: &str,
         key: Option<&[u8]>,
@@ -234,14 +209,10 @@ impl StageProducer {
         }
     }
 
-    fn complete(&self, record: &InputRecord) {
+    /// The record is done: its result is acknowledged (or it needed none).
+    pub fn complete(&self, record: &InputRecord) {
         // The consumer loop may be gone during shutdown; the record then stays uncommitted.
         let _ = self.inner.completions.send(Completion::done(record));
-    }
-
-    /// Completes a replayed record that was already done, without producing anything.
-    pub fn skip_replayed(&self, record: &InputRecord) {
-        self.complete(record);
     }
 
     /// Gives up on a record without completing it: it will be redelivered (to this worker or
@@ -250,11 +221,22 @@ impl StageProducer {
         let _ = self.inner.completions.send(Completion::released(record));
     }
 
-    /// Waits for every acknowledgement in flight, then flushes the client.
+    /// Flushes what is still queued in the client.
     pub async fn close(&self, timeout: Duration) {
-        self.inner.acks.close();
-        let _ = tokio::time::timeout(timeout, self.inner.acks.wait()).await;
         let producer = self.inner.producer.clone();
         let _ = tokio::task::spawn_blocking(move || producer.flush(timeout)).await;
+    }
+
+    /// The librdkafka client, for fault-injection tests.
+    pub fn client(&self) -> &FutureProducer<ProducerEvents> {
+        &self.inner.producer
+    }
+}
+
+async fn acknowledged(ack: DeliveryFuture) -> Result<(), WriteError> {
+    match ack.await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err((e, _))) => Err(WriteError::NotAcknowledged(e)),
+        Err(_) => Err(WriteError::Dropped),
     }
 }

@@ -5,7 +5,7 @@
 //! the dispatcher and session tiers. The record knows its session and its stable event id from
 //! the start; everything downstream only reads them.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -38,29 +38,89 @@ pub mod header {
 
 /// One assignment of one partition to this worker. Records carry it so that work belonging to
 /// a partition this worker no longer owns can be recognised and dropped.
+///
+/// A revocation goes in two steps. *Draining*: records of the partition not started yet are
+/// released (the next owner takes them), retries stop, and the records inside a handler may
+/// still finish and write their results. *Revoked* (the drain deadline passed): the lease is
+/// the fence between two owners — a result (output or dead letter) is written only under a
+/// [`WritePermit`], which cannot be had once the lease is revoked, and the revocation waits
+/// for the permits already out. So once it has finished waiting, the old owner writes nothing
+/// more for the partition: no result of a handler that outlived the drain lands after the new
+/// owner's results.
 #[derive(Debug)]
 pub struct Lease {
     pub partition: Partition,
     /// Increases with every assignment of any partition in this process.
     pub epoch: u64,
-    revoked: AtomicBool,
+    /// [`REVOKED`] and [`DRAINING`] bits, and below them the number of write permits out.
+    state: AtomicU64,
 }
+
+const REVOKED: u64 = 1 << 63;
+const DRAINING: u64 = 1 << 62;
+const PERMITS: u64 = DRAINING - 1;
 
 impl Lease {
     pub fn new(partition: Partition, epoch: u64) -> Self {
         Self {
             partition,
             epoch,
-            revoked: AtomicBool::new(false),
+            state: AtomicU64::new(0),
         }
     }
 
+    /// Start no new record of this lease; the ones inside a handler may finish.
+    pub fn drain(&self) {
+        self.state.fetch_or(DRAINING, Ordering::AcqRel);
+    }
+
+    /// No new write permit from now on; the ones out stay valid until dropped.
     pub fn revoke(&self) {
-        self.revoked.store(true, Ordering::Release);
+        self.state.fetch_or(REVOKED | DRAINING, Ordering::AcqRel);
     }
 
     pub fn is_revoked(&self) -> bool {
-        self.revoked.load(Ordering::Acquire)
+        self.state.load(Ordering::Acquire) & REVOKED != 0
+    }
+
+    /// Draining or revoked: a record of this lease must not be started (or retried).
+    pub fn is_draining(&self) -> bool {
+        self.state.load(Ordering::Acquire) & DRAINING != 0
+    }
+
+    /// Permission to write a result of this lease, or `None` once it is revoked. Checking and
+    /// taking are one atomic step, so a revocation either sees this permit or refuses it.
+    pub fn begin_write(self: &Arc<Self>) -> Option<WritePermit> {
+        let mut current = self.state.load(Ordering::Acquire);
+        loop {
+            if current & REVOKED != 0 {
+                return None;
+            }
+            match self.state.compare_exchange_weak(
+                current,
+                current + 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Some(WritePermit(self.clone())),
+                Err(seen) => current = seen,
+            }
+        }
+    }
+
+    /// Write permits not yet dropped: results on their way to the broker.
+    pub fn writes_in_flight(&self) -> u64 {
+        self.state.load(Ordering::Acquire) & PERMITS
+    }
+}
+
+/// A result of a [`Lease`] may be written while this lives (see [`Lease::begin_write`]).
+#[derive(Debug)]
+pub struct WritePermit(Arc<Lease>);
+
+impl Drop for WritePermit {
+    fn drop(&mut self) {
+        self.0.state.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -224,6 +284,49 @@ mod tests {
         assert!(record(&message(Some(b""), &[]), &SessionSource::Key)
             .session
             .is_none());
+    }
+
+    #[test]
+    fn a_revoked_lease_gives_no_write_permit_and_counts_the_ones_out() {
+        let lease = Arc::new(Lease::new(0, 1));
+        let first = lease.begin_write().expect("active lease");
+        lease.drain();
+        assert!(lease.is_draining() && !lease.is_revoked());
+        let second = lease.begin_write().expect("a draining lease still writes");
+        assert_eq!(lease.writes_in_flight(), 2);
+        lease.revoke();
+        assert!(lease.is_revoked());
+        assert!(lease.begin_write().is_none());
+        drop(first);
+        assert_eq!(lease.writes_in_flight(), 1);
+        drop(second);
+        assert_eq!(lease.writes_in_flight(), 0);
+        assert!(lease.is_revoked());
+    }
+
+    #[test]
+    fn permits_race_revocation_without_losing_count() {
+        let lease = Arc::new(Lease::new(0, 1));
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let lease = lease.clone();
+                std::thread::spawn(move || {
+                    let mut taken = 0;
+                    for _ in 0..10_000 {
+                        if let Some(p) = lease.begin_write() {
+                            taken += 1;
+                            drop(p);
+                        }
+                    }
+                    taken
+                })
+            })
+            .collect();
+        lease.revoke();
+        let refused_after = lease.begin_write().is_none();
+        let _: u32 = threads.into_iter().map(|t| t.join().unwrap()).sum();
+        assert!(refused_after);
+        assert_eq!(lease.writes_in_flight(), 0);
     }
 
     #[test]

@@ -6,10 +6,19 @@
 //! failing one, so they cannot overtake it, and no other session is held up because every
 //! session has its own task. There is no retry queue and no retry state machine.
 //!
+//! A record is finished when it is *settled* (see `settle`): its output or dead letter is
+//! acknowledged by the broker. Only then does the task take the next record, so a produce that
+//! fails cannot let a later output of the session overtake it.
+//!
+//! A handler that panics is a failed attempt like any transient error: the panic is caught,
+//! counted and logged, and the same record is retried in place after a backoff; the session's
+//! queued records stay queued behind it.
+//!
 //! Session tasks exist only while a session is active; the dispatcher spawns them on a
 //! session's first record and drops them after `sessionIdleMs` without work. While alive, a task
-//! remembers the event ids it recently finished, so a replayed record (its partition came back
-//! after a rebalance, before the commit caught up) is not processed and produced twice.
+//! remembers the event ids it recently settled, so a replayed record (its partition came back
+//! after a rebalance, before the commit caught up) is not processed and produced twice. An id
+//! enters that memory only once its result is acknowledged, so a skip never hides a loss.
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -17,6 +26,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
+use futures::FutureExt;
 use rand::Rng;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -24,11 +34,13 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::dlq::DlqReason;
-use crate::handler::{Handler, HandlerError};
+use crate::handler::{Handler, HandlerError, HandlerResult};
+use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::producer::StageProducer;
 use crate::record::InputRecord;
 use crate::retry::RetryPolicy;
+use crate::settle::{Outcome, Settled, Settler};
 use crate::stuck::{StuckPolicy, StuckWatch, Verdict};
 use crate::telemetry;
 use crate::watchdog::SeqWatch;
@@ -43,8 +55,24 @@ pub struct SessionContext<H> {
     pub retry: RetryPolicy,
     pub stuck: StuckPolicy,
     pub metrics: Metrics,
+    pub health: Arc<Health>,
     /// Cancelled when the shutdown deadline passes: stop mid-record, leave it uncommitted.
     pub abort: CancellationToken,
+    /// Cancelled at shutdown unless the stage drains everything queued: a session finishes
+    /// the record it is working on and releases the ones queued behind it (the partition's
+    /// next owner takes them).
+    pub release_queued: CancellationToken,
+}
+
+impl<H> SessionContext<H> {
+    fn settler(&self) -> Settler<'_> {
+        Settler {
+            producer: &self.producer,
+            metrics: &self.metrics,
+            health: &self.health,
+            abort: &self.abort,
+        }
+    }
 }
 
 /// A running session's queue, as its dispatcher sees it.
@@ -154,11 +182,11 @@ impl<H: Handler> SessionTask<H> {
             if self.ctx.abort.is_cancelled() {
                 break;
             }
-            if record.lease.is_revoked() {
+            if record.lease.is_draining() || self.ctx.release_queued.is_cancelled() {
                 self.ctx.producer.release(&record);
             } else if self.recent.contains(&record.event_id) {
                 self.ctx.metrics.replay_skipped.inc();
-                self.ctx.producer.skip_replayed(&record);
+                self.ctx.producer.complete(&record);
             } else {
                 // Boxed: the record's future (handler call, retries, produce) is large and
                 // needed only while the session works; an idle session keeps only its queue.
@@ -170,7 +198,8 @@ impl<H: Handler> SessionTask<H> {
         tracing::trace!(session = %String::from_utf8_lossy(&self.session), "session task ended");
     }
 
-    /// Runs one record to completion (success or DLQ), or releases it (abort, revocation).
+    /// Runs one record until it is settled (output or DLQ acknowledged), or releases it
+    /// (abort, revocation).
     async fn process(&mut self, record: InputRecord) {
         if self.entry.observe(record.lease.epoch, record.seq()) {
             self.ctx
@@ -183,40 +212,57 @@ impl<H: Handler> SessionTask<H> {
         }
         let mut watch = StuckWatch::start(self.ctx.stuck);
         let span = telemetry::record_span(&record);
-        let settled = self
-            .attempt_until_settled(&record, &mut watch)
-            .instrument(span)
-            .await;
+        let started = Instant::now();
+        let settled = async {
+            match self.attempt(&record, &mut watch, started).await {
+                Some(outcome) => {
+                    self.ctx
+                        .settler()
+                        .settle(&record, outcome, Some(&mut watch), started)
+                        .await
+                }
+                None => {
+                    self.ctx.producer.release(&record);
+                    Settled::Released
+                }
+            }
+        }
+        .instrument(span)
+        .await;
         watch.finish(&self.ctx.metrics);
-        if settled {
+        if settled == Settled::Done {
             self.recent.insert(&record.event_id);
-        } else {
-            self.ctx.producer.release(&record);
         }
     }
 
-    /// Tries the record until it succeeds or goes to the DLQ (true), or is abandoned (false).
-    async fn attempt_until_settled(&self, record: &InputRecord, watch: &mut StuckWatch) -> bool {
+    /// Tries the record until it succeeds or must go to the DLQ, or `None` when it is
+    /// abandoned (abort, or its partition moved to another worker, which redoes it).
+    async fn attempt(
+        &self,
+        record: &InputRecord,
+        watch: &mut StuckWatch,
+        first_start: Instant,
+    ) -> Option<Outcome> {
         let ctx = &*self.ctx;
-        let first_start = Instant::now();
         let mut attempt: u32 = 1;
         loop {
             let started = Instant::now();
-            let call = ctx
-                .handler
-                .handle(record, attempt)
+            let call = self
+                .call(record, attempt)
                 .instrument(tracing::info_span!("attempt", attempt));
             tokio::pin!(call);
             let result = loop {
                 tokio::select! {
                     r = &mut call => break r,
-                    _ = ctx.abort.cancelled() => return false,
+                    _ = ctx.abort.cancelled() => return None,
                     _ = watch.expired(), if watch.armed() => {
                         if watch.fire(record, &ctx.metrics, first_start) == Verdict::DeadLetter {
-                            let error = format!("handler did not finish within {:?} (attempt {attempt})",
-                                ctx.stuck.timeout);
-                            ctx.producer.dead_letter(record, DlqReason::Stuck, &error, attempt).await;
-                            return true;
+                            return Some(Outcome::DeadLetter {
+                                reason: DlqReason::Stuck,
+                                error: format!("handler did not finish within {:?} (attempt {attempt})",
+                                    ctx.stuck.timeout),
+                                attempts: attempt,
+                            });
                         }
                     }
                 }
@@ -230,46 +276,70 @@ impl<H: Handler> SessionTask<H> {
                 .handler_seconds
                 .with_label_values(&[outcome])
                 .observe(started.elapsed().as_secs_f64());
-            match result {
-                Ok(payload) => {
-                    ctx.producer.output(record, payload).await;
-                    return true;
-                }
+            let error = match result {
+                Ok(payload) => return Some(Outcome::Output(payload)),
                 Err(HandlerError::Poison(e)) => {
-                    let reason = DlqReason::Poison;
-                    ctx.producer.dead_letter(record, reason, &e, attempt).await;
-                    return true;
+                    return Some(Outcome::DeadLetter {
+                        reason: DlqReason::Poison,
+                        error: e,
+                        attempts: attempt,
+                    })
                 }
                 Err(HandlerError::Transient(e)) if !ctx.retry.may_retry(attempt) => {
-                    let reason = DlqReason::RetriesExhausted;
-                    ctx.producer.dead_letter(record, reason, &e, attempt).await;
-                    return true;
+                    return Some(Outcome::DeadLetter {
+                        reason: DlqReason::RetriesExhausted,
+                        error: e,
+                        attempts: attempt,
+                    })
                 }
-                Err(HandlerError::Transient(e)) => {
-                    ctx.metrics.retries.inc();
-                    let delay = ctx.retry.delay(attempt, rand::rng().random::<f64>());
-                    tracing::debug!(session = %record.session_str(), offset = record.offset,
-                        attempt, ?delay, error = %e, "transient failure; retrying in place");
-                    let sleep = tokio::time::sleep(delay);
-                    tokio::pin!(sleep);
-                    loop {
-                        tokio::select! {
-                            _ = &mut sleep => break,
-                            _ = ctx.abort.cancelled() => return false,
-                            _ = watch.expired(), if watch.armed() => {
-                                if watch.fire(record, &ctx.metrics, first_start) == Verdict::DeadLetter {
-                                    let error = format!("still failing after {:?}: {e}", ctx.stuck.timeout);
-                                    ctx.producer.dead_letter(record, DlqReason::Stuck, &error, attempt).await;
-                                    return true;
-                                }
-                            }
+                Err(HandlerError::Transient(e)) => e,
+            };
+            ctx.metrics.retries.inc();
+            let delay = ctx.retry.delay(attempt, rand::rng().random::<f64>());
+            tracing::debug!(session = %record.session_str(), offset = record.offset,
+                attempt, ?delay, error = %error, "transient failure; retrying in place");
+            let sleep = tokio::time::sleep(delay);
+            tokio::pin!(sleep);
+            loop {
+                tokio::select! {
+                    _ = &mut sleep => break,
+                    _ = ctx.abort.cancelled() => return None,
+                    _ = watch.expired(), if watch.armed() => {
+                        if watch.fire(record, &ctx.metrics, first_start) == Verdict::DeadLetter {
+                            return Some(Outcome::DeadLetter {
+                                reason: DlqReason::Stuck,
+                                error: format!("still failing after {:?}: {error}", ctx.stuck.timeout),
+                                attempts: attempt,
+                            });
                         }
                     }
-                    if record.lease.is_revoked() {
-                        return false; // the partition moved to another worker, which redoes it
-                    }
-                    attempt += 1;
                 }
+            }
+            if record.lease.is_draining() {
+                return None;
+            }
+            attempt += 1;
+        }
+    }
+
+    /// One handler attempt; a panic inside the handler is a transient failure of it.
+    async fn call(&self, record: &InputRecord, attempt: u32) -> HandlerResult {
+        let call = std::panic::AssertUnwindSafe(self.ctx.handler.handle(record, attempt));
+        match call.catch_unwind().await {
+            Ok(result) => result,
+            Err(panic) => {
+                let message = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "non-text panic payload".into());
+                self.ctx.metrics.handler_panics.inc();
+                tracing::error!(session = %record.session_str(), partition = record.partition,
+                    offset = record.offset, attempt, panic = %message,
+                    "handler panicked; retrying the record in place");
+                Err(HandlerError::Transient(format!(
+                    "handler panicked: {message}"
+                )))
             }
         }
     }

@@ -153,6 +153,10 @@ pub struct VerifyReport {
     pub gaps: u64,
     /// Input records in neither output nor DLQ (only when the input was given).
     pub lost: u64,
+    /// Sessions whose output ends on an older record after a newer one (`1,2,1`): a result
+    /// written after its partition moved on. A replay that re-emits a whole range (`1,2,1,2`)
+    /// ends where it should and is not counted.
+    pub stale_ends: u64,
     /// Records without a session or a sequence number (not checked).
     pub unsequenced: u64,
     /// A few examples of violations, for the human reading the report.
@@ -160,9 +164,9 @@ pub struct VerifyReport {
 }
 
 impl VerifyReport {
-    /// No violation, no gap, nothing lost.
+    /// No violation, no stale end, no gap, nothing lost.
     pub fn is_ok(&self) -> bool {
-        self.order_violations == 0 && self.gaps == 0 && self.lost == 0
+        self.order_violations == 0 && self.stale_ends == 0 && self.gaps == 0 && self.lost == 0
     }
 }
 
@@ -172,6 +176,7 @@ impl std::fmt::Display for VerifyReport {
         writeln!(f, "dlq records       {}", self.dlq_records)?;
         writeln!(f, "sessions          {}", self.sessions)?;
         writeln!(f, "order violations  {}", self.order_violations)?;
+        writeln!(f, "stale ends        {}", self.stale_ends)?;
         writeln!(f, "duplicates        {}", self.duplicates)?;
         writeln!(f, "gaps              {}", self.gaps)?;
         writeln!(f, "lost              {}", self.lost)?;
@@ -199,6 +204,8 @@ pub struct Checker {
 struct SessionSeen {
     seen: HashSet<u64>,
     max: u64,
+    /// The last sequence number written for the session.
+    last: u64,
 }
 
 const MAX_EXAMPLES: usize = 10;
@@ -227,6 +234,7 @@ impl Checker {
             }
         }
         s.max = s.max.max(seq);
+        s.last = seq;
     }
 
     /// Feeds a DLQ record: accounted for, not part of the order check.
@@ -251,6 +259,15 @@ impl Checker {
     ) -> VerifyReport {
         let mut gaps = 0;
         for (session, s) in &self.sessions {
+            if s.last < s.max {
+                self.report.stale_ends += 1;
+                if self.report.examples.len() < MAX_EXAMPLES {
+                    self.report.examples.push(format!(
+                        "session {session}: ends on seq {} after seq {}",
+                        s.last, s.max
+                    ));
+                }
+            }
             for seq in 1..=s.max {
                 if !self.accounted(session, seq) {
                     gaps += 1;
@@ -368,6 +385,17 @@ mod tests {
             None,
         );
         assert_eq!((r.order_violations, r.duplicates), (0, 2));
+        assert!(r.is_ok());
+    }
+
+    #[test]
+    fn ending_on_an_older_record_is_a_stale_end() {
+        let r = check(&[("a", 1), ("a", 2), ("a", 1)], &[], None);
+        assert_eq!((r.order_violations, r.stale_ends), (0, 1));
+        assert!(!r.is_ok());
+        // A whole range written again ends where it should.
+        let r = check(&[("a", 1), ("a", 2), ("a", 1), ("a", 2)], &[], None);
+        assert_eq!(r.stale_ends, 0);
         assert!(r.is_ok());
     }
 

@@ -20,14 +20,14 @@ use crate::config::StageConfig;
 use crate::dispatcher::Dispatcher;
 use crate::handler::Handler;
 use crate::health::{self, Health};
-use crate::intake::{consumer_config, IntakeLoop, IntakeSettings};
+use crate::intake::{consumer_config, IntakeLoop, IntakeSettings, IntakeTokens};
 use crate::lag::{Assigned, LagReporter};
 use crate::metrics::Metrics;
-use crate::producer::{producer_config, StageProducer};
+use crate::producer::{producer_config, ProducerEvents, StageProducer};
 use crate::session::SessionContext;
 
 /// How long, after the consumer loop ends, session tasks and acknowledgements get to finish.
-const CLOSE_GRACE: Duration = Duration::from_secs(10);
+pub const CLOSE_GRACE: Duration = Duration::from_secs(10);
 
 /// A stage running in the background. Dropping it stops the stage gracefully (as
 /// [`stop`](Self::stop) does) without waiting: a handle lost to a panic or an early return
@@ -40,6 +40,7 @@ pub struct RunningWorker {
     pub metrics_addr: Option<SocketAddr>,
     stop: CancellationToken,
     done: JoinHandle<anyhow::Result<()>>,
+    producer: StageProducer,
     _stop_on_drop: DropGuard,
 }
 
@@ -58,6 +59,14 @@ impl RunningWorker {
     pub async fn shutdown(self) -> anyhow::Result<()> {
         self.stop();
         self.wait().await
+    }
+
+    /// The stage's producer client, for fault-injection tests (e.g. librdkafka's
+    /// `rd_kafka_test_fatal_error`).
+    pub fn producer_client(
+        &self,
+    ) -> &rdkafka::producer::FutureProducer<crate::producer::ProducerEvents> {
+        self.producer.client()
     }
 }
 
@@ -81,8 +90,9 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
     config.validate()?;
     let metrics = Metrics::new(&config.stage);
     let health = Arc::new(Health::default());
-    let stop = CancellationToken::new();
-    let abort = CancellationToken::new();
+    let tokens = IntakeTokens::default();
+    let stop = tokens.stop.clone();
+    let abort = tokens.abort.clone();
     let server_stop = CancellationToken::new();
 
     let metrics_addr = match config.metrics_addr {
@@ -102,6 +112,11 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
     let (completions_tx, completions_rx) = completion::channel();
     let producer = StageProducer::new(
         &producer_config(&config.brokers, &extra),
+        ProducerEvents {
+            health: health.clone(),
+            metrics: metrics.clone(),
+            fatal: tokens.fatal.clone(),
+        },
         config.output.clone(),
         config.dlq.clone(),
         config.stage.clone(),
@@ -116,7 +131,9 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         retry: config.retry_policy(),
         stuck: config.stuck_policy(),
         metrics: metrics.clone(),
+        health: health.clone(),
         abort: abort.clone(),
+        release_queued: tokens.release_queued.clone(),
     });
     let idle = Duration::from_millis(config.session_idle_ms);
     let senders: Vec<_> = (0..config.dispatchers)
@@ -134,6 +151,7 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         max_in_flight_per_partition: config.max_in_flight_per_partition,
         revoke_drain_timeout: Duration::from_millis(config.rebalance.drain_timeout_ms),
         shutdown_timeout: Duration::from_millis(config.shutdown_timeout_ms),
+        shutdown_drain_queued: config.shutdown_drain_queued,
     };
     let assigned = Assigned::default();
     let lag_thread = LagReporter {
@@ -160,8 +178,7 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         metrics.clone(),
         health.clone(),
         tokio::runtime::Handle::current(),
-        stop.clone(),
-        abort.clone(),
+        tokens,
     )?;
     tokio::spawn(crate::memory::trim_after_reaps(
         metrics.active_sessions.clone(),
@@ -172,8 +189,10 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         .spawn(move || intake.run())?;
 
     let summary = metrics.clone();
+    let closing = producer.clone();
     let done = tokio::spawn(async move {
         let joined = tokio::task::spawn_blocking(move || thread.join()).await?;
+        let producer = closing;
         // The loop has drained and committed (or given up at its deadline).
         abort.cancel();
         sessions.close();
@@ -182,7 +201,10 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         server_stop.cancel();
         let _ = tokio::task::spawn_blocking(move || lag_thread.join()).await;
         summary.log();
-        joined.map_err(|_| anyhow::anyhow!("the consumer loop panicked"))
+        match joined {
+            Ok(result) => result.map_err(anyhow::Error::from),
+            Err(_) => Err(anyhow::anyhow!("the consumer loop panicked")),
+        }
     });
     Ok(RunningWorker {
         metrics,
@@ -191,5 +213,6 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         _stop_on_drop: stop.clone().drop_guard(),
         stop,
         done,
+        producer,
     })
 }

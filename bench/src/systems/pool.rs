@@ -97,7 +97,9 @@ pub fn start(settings: &SystemSettings, core: Arc<Core>) -> anyhow::Result<Runni
                     for (p, w) in tracker.commit_candidates() {
                         let _ = tpl.add_partition_offset(&topic, p, Offset::Offset(w));
                         if let Some(o) = tracker.partition_mut(p) {
-                            o.mark_committed(w);
+                            // A baseline: taken as confirmed once sent.
+                            o.mark_sent(w);
+                            o.commit_confirmed(w);
                         }
                     }
                     if tpl.count() > 0 {

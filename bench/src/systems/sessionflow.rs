@@ -66,6 +66,7 @@ pub fn stage_config(settings: &SystemSettings) -> StageConfig {
         max_in_flight_per_partition: 10_000,
         lag_interval_ms: 5_000,
         shutdown_timeout_ms: 10_000,
+        shutdown_drain_queued: false,
         metrics_addr: None,
         otlp_endpoint: None,
         kafka,

@@ -48,9 +48,18 @@ impl BuiltinHandler {
         ]) < self.config.transient_rate
     }
 
+    /// Whether the first attempt of this record is a slow one.
+    pub fn is_slow(&self, record: &InputRecord) -> bool {
+        self.draw(&[b"slow", record.event_id.as_bytes()]) < self.config.slow_rate
+    }
+
     pub async fn handle(&self, record: &InputRecord, attempt: u32) -> HandlerResult {
-        if self.config.latency_ms > 0 {
-            tokio::time::sleep(Duration::from_millis(self.config.latency_ms)).await;
+        let mut work = Duration::from_millis(self.config.latency_ms);
+        if attempt == 1 && self.config.slow_ms > 0 && self.is_slow(record) {
+            work += Duration::from_millis(self.config.slow_ms);
+        }
+        if !work.is_zero() {
+            tokio::time::sleep(work).await;
         }
         if self.is_poison(record) {
             return Err(HandlerError::Poison(format!(
@@ -93,6 +102,7 @@ mod tests {
             poison_rate,
             latency_ms: 0,
             seed,
+            ..Default::default()
         })
     }
 

@@ -1,0 +1,203 @@
+//! Settling a record: writing its result under its lease and waiting for the broker's word.
+//!
+//! A record is *settled* when its output (or, failing that, its dead letter) has been
+//! acknowledged by the broker; only then is it completed (its offset may be committed), only
+//! then does its event id enter the session's recent-event cache, and only then does the
+//! session take its next record. Waiting for the acknowledgement before the next record — as
+//! Confluent Parallel Consumer does — is what keeps a failed produce from reordering a
+//! session: if output *n* is refused after librdkafka's retries, output *n+1* has not even been
+//! computed yet; *n* goes to the DLQ (acknowledged) first, and a crash in between replays *n*
+//! before anything of *n+1* exists. The cost is one produce round trip per record of the same
+//! session, hidden by the other sessions running meanwhile (BENCHMARKS.md has the numbers).
+//!
+//! Every write happens under a [`WritePermit`] of the record's lease, so a record whose
+//! partition was revoked while its handler ran is released instead of written: the new owner
+//! redoes it, and the old owner never writes after it.
+//!
+//! A dead letter the broker refuses is retried with backoff for as long as it takes (dropping
+//! it would lose the record), counted, logged with the record, reported by the stuck timer and
+//! reflected in readiness, so an alert or an operator can act.
+
+use std::time::Instant;
+
+use rand::Rng;
+use tokio_util::sync::CancellationToken;
+
+use crate::dlq::DlqReason;
+use crate::health::Health;
+use crate::metrics::Metrics;
+use crate::producer::StageProducer;
+use crate::record::InputRecord;
+use crate::retry::RetryPolicy;
+use crate::stuck::StuckWatch;
+
+/// What a record's processing produced, to be written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Processed; the payload of its output record, if any.
+    Output(Option<Vec<u8>>),
+    /// To the DLQ.
+    DeadLetter {
+        reason: DlqReason,
+        error: String,
+        attempts: u32,
+    },
+}
+
+/// How settling ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settled {
+    /// Its result is acknowledged; the record is completed.
+    Done,
+    /// Not written (its partition moved, or shutdown aborted it); the record is released.
+    Released,
+}
+
+/// Backoff between tries of a dead letter the broker refused.
+pub const DLQ_RETRY: RetryPolicy = RetryPolicy {
+    initial: std::time::Duration::from_millis(200),
+    max: std::time::Duration::from_secs(10),
+    multiplier: 2.0,
+    max_attempts: 0,
+};
+
+/// What settling needs from the stage.
+pub struct Settler<'a> {
+    pub producer: &'a StageProducer,
+    pub metrics: &'a Metrics,
+    pub health: &'a Health,
+    /// Cancelled when the shutdown deadline passes: stop retrying refused dead letters.
+    pub abort: &'a CancellationToken,
+}
+
+impl Settler<'_> {
+    /// Writes `outcome` for `record` and waits until it is acknowledged (then completes the
+    /// record) or can no longer be written by this worker (then releases it). `watch`, when
+    /// given, keeps timing the record: a write that keeps failing is reported as stuck.
+    pub async fn settle(
+        &self,
+        record: &InputRecord,
+        outcome: Outcome,
+        mut watch: Option<&mut StuckWatch>,
+        started: Instant,
+    ) -> Settled {
+        let mut outcome = outcome;
+        let mut refusals: u32 = 0;
+        let mut blocked = BlockedWrite {
+            health: self.health,
+            metrics: self.metrics,
+            counted: false,
+        };
+        loop {
+            let Some(permit) = record.lease.begin_write() else {
+                self.producer.release(record);
+                return Settled::Released;
+            };
+            let written = match &outcome {
+                Outcome::Output(None) => Ok(()),
+                Outcome::Output(Some(_)) if !self.producer.has_output() => Ok(()),
+                Outcome::Output(Some(payload)) => {
+                    match self.producer.write_output(record, payload, &permit).await {
+                        Ok(()) => Ok(()),
+                        Err(e) => {
+                            // After librdkafka's retries: this output will not land. Nothing
+                            // of the session's next record exists yet, so the DLQ comes first.
+                            self.metrics.produce_errors.inc();
+                            tracing::warn!(error = %e, partition = record.partition,
+                                offset = record.offset, session = %record.session_str(),
+                                "output not written; sending the record to the DLQ");
+                            outcome = Outcome::DeadLetter {
+                                reason: DlqReason::ProduceFailed,
+                                error: e.to_string(),
+                                attempts: 1,
+                            };
+                            continue;
+                        }
+                    }
+                }
+                Outcome::DeadLetter {
+                    reason,
+                    error,
+                    attempts,
+                } => {
+                    if refusals == 0 {
+                        tracing::warn!(reason = reason.as_str(), error, partition = record.partition,
+                            offset = record.offset, session = %record.session_str(),
+                            event_id = %record.event_id, "record to DLQ");
+                    }
+                    self.producer
+                        .write_dead_letter(record, *reason, error, *attempts, &permit)
+                        .await
+                }
+            };
+            drop(permit);
+            match written {
+                Ok(()) => {
+                    self.producer.complete(record);
+                    return Settled::Done;
+                }
+                Err(e) => {
+                    refusals += 1;
+                    self.metrics.dlq_write_errors.inc();
+                    blocked.set();
+                    tracing::error!(error = %e, refusals, partition = record.partition,
+                        offset = record.offset, session = %record.session_str(),
+                        event_id = %record.event_id,
+                        "dead letter refused; retrying (the record stays uncommitted)");
+                    let delay = DLQ_RETRY.delay(refusals, rand::rng().random::<f64>());
+                    let sleep = tokio::time::sleep(delay);
+                    tokio::pin!(sleep);
+                    loop {
+                        let armed = watch.as_ref().is_some_and(|w| w.armed());
+                        tokio::select! {
+                            _ = &mut sleep => break,
+                            _ = self.abort.cancelled() => {
+                                self.producer.release(record);
+                                return Settled::Released;
+                            }
+                            _ = expired(watch.as_deref()), if armed => {
+                                // Already on its way to the DLQ: report only.
+                                if let Some(w) = watch.as_deref_mut() {
+                                    w.fire(record, self.metrics, started);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+async fn expired(watch: Option<&StuckWatch>) {
+    match watch {
+        Some(w) => w.expired().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Counts a record whose dead letter is being refused, once, until it lands or is given up.
+struct BlockedWrite<'a> {
+    health: &'a Health,
+    metrics: &'a Metrics,
+    counted: bool,
+}
+
+impl BlockedWrite<'_> {
+    fn set(&mut self) {
+        if !self.counted {
+            self.counted = true;
+            self.health.write_blocked(true);
+            self.metrics.blocked_writes.inc();
+        }
+    }
+}
+
+impl Drop for BlockedWrite<'_> {
+    fn drop(&mut self) {
+        if self.counted {
+            self.health.write_blocked(false);
+            self.metrics.blocked_writes.dec();
+        }
+    }
+}
