@@ -86,3 +86,16 @@ bench:
 	  scripts/with-broker.sh target/release/sessionflow-bench \
 	    --broker-pid-file .local/broker-$(BROKER_PORT).pid; \
 	fi
+
+.PHONY: chaos
+
+## chaos: the randomized nemesis run: worker processes against librdkafka's mock cluster (in
+## the chaos process) under a schedule of faults drawn from CHAOS_SEED (default: the time,
+## printed), CHAOS_SECONDS long, load from loadgen; ends with verify and committed == end,
+## prints the schedule and a one-line verdict, exits 1 unless OK. Logs under .local/chaos/.
+CHAOS_SEED ?=
+CHAOS_SECONDS ?= 120
+chaos:
+	$(CARGO) build -p sessionflow-worker --bin sessionflow-worker -p sessionflow-tests --bin sessionflow-chaos
+	CHAOS_SEED=$(CHAOS_SEED) CHAOS_SECONDS=$(CHAOS_SECONDS) \
+	  $${CARGO_TARGET_DIR:-target}/debug/sessionflow-chaos

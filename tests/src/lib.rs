@@ -103,6 +103,7 @@ impl Topics {
             session_idle_ms: 1_000,
             max_in_flight_per_partition: 2_000,
             shutdown_timeout_ms: 10_000,
+            shutdown_drain_queued: false,
             metrics_addr: None,
             kafka,
         }
@@ -163,6 +164,7 @@ pub fn builtin(transient_rate: f64, poison_rate: f64) -> HandlerConfig {
         poison_rate,
         latency_ms: 0,
         seed: 7,
+        ..Default::default()
     })
 }
 
@@ -467,6 +469,9 @@ impl WorkerProcess {
             .args(args)
             .args(["run", "--config"])
             .arg(&config.0)
+            // The config names its cluster (nisshi or a test's mock); `--brokers` would
+            // otherwise come from this variable and override it.
+            .env_remove("SESSIONFLOW_BROKERS")
             .env("RUST_LOG", "warn")
             .stdout(std::process::Stdio::null())
             .stderr(stderr)
@@ -476,6 +481,24 @@ impl WorkerProcess {
             child,
             _config: config,
         }
+    }
+
+    /// SIGSTOP: the whole process freezes (heartbeats included), as a stalled node would.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// SIGCONT after [`pause`](Self::pause).
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let status = std::process::Command::new("kill")
+            .args([signal, &self.child.id().to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success(), "kill {signal} failed");
     }
 
     /// SIGKILL: no drain, no final commit.
@@ -528,6 +551,11 @@ impl Topics {
     /// A stage config file for the worker binary: builtin handler with the given settings
     /// (`{transientRate: …, latencyMs: …}`), plus extra top-level YAML lines.
     pub fn stage_yaml(&self, builtin: &str, extra: &str) -> String {
+        self.stage_yaml_on(&brokers(), builtin, extra)
+    }
+
+    /// [`stage_yaml`](Self::stage_yaml) for the cluster at `brokers` (e.g. librdkafka's mock).
+    pub fn stage_yaml_on(&self, brokers: &str, builtin: &str, extra: &str) -> String {
         let kafka: String = test_kafka_properties()
             .iter()
             .map(|(k, v)| format!("  {k}: '{v}'\n"))
@@ -537,7 +565,6 @@ impl Topics {
              dlq: {dlq}\nhandler:\n  builtin: {builtin}\n\
              retry: {{initialBackoffMs: 1, maxBackoffMs: 10}}\ncommitIntervalMs: 200\n\
              metricsAddr: null\n{extra}\nkafka:\n{kafka}",
-            brokers = brokers(),
             group = self.group,
             input = self.input,
             output = self.output,
@@ -621,4 +648,84 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
         .map(|(_, b)| b.to_string())
         .unwrap_or_default();
     (status, body)
+}
+
+/// A metadata consumer on `brokers` (any cluster, e.g. librdkafka's mock), in `group`.
+fn metadata_consumer_on(brokers: &str, group: &str) -> BaseConsumer {
+    ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .create()
+        .expect("consumer")
+}
+
+/// High watermarks of every partition of `topic` on `brokers`.
+pub fn end_offsets_on(brokers: &str, topic: &str) -> Vec<i64> {
+    let c = metadata_consumer_on(brokers, "sessionflow-tests-metadata");
+    (0..partition_count(&c, topic))
+        .map(|p| {
+            c.fetch_watermarks(topic, p, Duration::from_secs(10))
+                .expect("watermarks")
+                .1
+        })
+        .collect()
+}
+
+/// Committed offsets of `group` on `topic` at `brokers` (-1 where nothing is committed).
+pub fn committed_offsets_on(brokers: &str, group: &str, topic: &str) -> Vec<i64> {
+    let c = metadata_consumer_on(brokers, group);
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..partition_count(&c, topic) {
+        tpl.add_partition(topic, p);
+    }
+    let got = c
+        .committed_offsets(tpl, Duration::from_secs(10))
+        .expect("committed offsets");
+    got.elements()
+        .iter()
+        .map(|e| match e.offset() {
+            Offset::Offset(o) => o,
+            _ => -1,
+        })
+        .collect()
+}
+
+/// Waits until the group of `topics` has committed every input partition at `brokers` to its
+/// end offset (lag 0, what the operator's autoscaler sees). On timeout, returns the committed
+/// and end offsets last read.
+pub async fn wait_committed_to_end_on(
+    brokers: &str,
+    topics: &Topics,
+    timeout: Duration,
+) -> Result<(), (Vec<i64>, Vec<i64>)> {
+    let read = || {
+        (
+            committed_offsets_on(brokers, &topics.group, &topics.input),
+            end_offsets_on(brokers, &topics.input),
+        )
+    };
+    match wait_until(timeout, || {
+        let (committed, end) = read();
+        committed == end
+    })
+    .await
+    {
+        Ok(()) => Ok(()),
+        Err(()) => Err(read()),
+    }
+}
+
+/// Like [`verify_pipeline`], against the cluster at `brokers` (e.g. librdkafka's mock cluster)
+/// instead of `SESSIONFLOW_BROKERS`.
+pub fn verify_on(brokers: &str, topics: &Topics) -> sessionflow_worker::verify::VerifyReport {
+    sessionflow_worker::verify::run(&sessionflow_worker::verify::VerifyOptions {
+        brokers: brokers.to_string(),
+        topic: topics.output.clone(),
+        dlq: Some(topics.dlq.clone()),
+        input: Some(topics.input.clone()),
+        session_header: None,
+        timeout: Duration::from_secs(60),
+    })
+    .expect("verify")
 }

@@ -569,6 +569,26 @@ impl StageConfig {
         Ok(())
     }
 
+    /// `max.poll.interval.ms` of the group (the kafka map's, or librdkafka's default).
+    pub fn max_poll_interval_ms(&self) -> u64 {
+        self.kafka
+            .get("max.poll.interval.ms")
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(DEFAULT_MAX_POLL_INTERVAL_MS)
+    }
+
+    /// How long a revocation waits, after its drain, for results already on their way: what
+    /// is left of the poll budget once the drain and the commit are counted (at least the
+    /// drain timeout; `validate` makes sure it fits).
+    pub fn write_fence_ms(&self) -> u64 {
+        let drain = self.rebalance.drain_timeout_ms;
+        self.max_poll_interval_ms()
+            .saturating_sub(drain)
+            .saturating_sub(REVOCATION_COMMIT_ALLOWANCE_MS)
+            .saturating_sub(1_000)
+            .max(drain)
+    }
+
     /// Adds SASL credentials found in the environment ([`SASL_USERNAME_ENV`],
     /// [`SASL_PASSWORD_ENV`]) to the librdkafka properties. On Kubernetes the operator fills
     /// those variables from a Secret, so credentials never sit in the config file.

@@ -17,12 +17,14 @@
 //! the rebalance callback (which runs on the same thread, within `poll`) can both reach it; the
 //! lock is never contended.
 //!
-//! A commit is done when the broker says so: every answer, from the commit callback or a
-//! synchronous commit, per partition, goes back to the offset tracker, which sends unconfirmed
-//! watermarks again. Shutdown keeps serving the consumer while it drains (rebalances, commit
+//! A commit is done when the broker says so: commits are synchronous, sent by the commit
+//! thread (see `committer`) or, for a revocation's and the shutdown's final commit, by the loop
+//! itself; every answer goes back to the offset tracker, which sends unconfirmed watermarks
+//! again. Shutdown keeps serving the consumer while it drains (rebalances, commit
 //! answers, `max.poll.interval.ms`), commits progress as it goes, and reports a final commit
 //! that failed as a failure of the run.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -38,6 +40,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::backpressure::{self, Offer, PendingBuffer};
+use crate::committer::Committer;
 use crate::completion::{Completion, CompletionReceiver};
 use crate::config::{RebalanceStrategy, SessionSource};
 use crate::dlq::DlqReason;
@@ -60,6 +63,10 @@ const HOLD_TICK: Duration = Duration::from_millis(1);
 const BURST: usize = 256;
 /// How often a drain (revocation, shutdown) checks for completions.
 const DRAIN_CHECK: Duration = Duration::from_millis(50);
+/// How long a refused final commit is tried again (a rebalance under way at shutdown).
+const FINAL_COMMIT_RETRIES: Duration = Duration::from_secs(5);
+/// Commit intervals a commit may go unanswered before its partitions count as failing.
+const COMMIT_STALL_TURNS: u32 = 3;
 /// How often the loop checks it can still reach the broker.
 const HEALTH_CHECK: Duration = Duration::from_secs(5);
 
@@ -72,6 +79,9 @@ pub struct IntakeSettings {
     pub max_in_flight_per_partition: usize,
     /// Longest wait for a revoked partition's in-flight records.
     pub revoke_drain_timeout: Duration,
+    /// After that, longest wait for the results of a revoked partition already on their way
+    /// to the broker (the fence): as much of the poll budget as the revocation has left.
+    pub write_fence_timeout: Duration,
     /// Longest wait for in-flight records at shutdown.
     pub shutdown_timeout: Duration,
     /// At shutdown, also process the records queued behind each session's current one
@@ -234,31 +244,27 @@ impl Book {
             let KafkaOffset::Offset(offset) = el.offset() else {
                 continue;
             };
+            let error = result.as_ref().err().cloned().or(el.error().err());
+            if let Some(e) = &error {
+                // Counted whether or not the partition is still ours: a commit refused as
+                // from a stale generation is how a fenced member learns it.
+                failed += 1;
+                metrics.commit_errors.inc();
+                tracing::warn!(error = %e, partition = el.partition(), offset,
+                    "offset commit failed; will send it again");
+            }
             let Some(o) = self.tracker.partition_mut(el.partition()) else {
                 continue; // revoked meanwhile
             };
-            match (result.as_ref().err(), el.error().err()) {
-                (None, None) => {
+            match error {
+                None => {
                     o.commit_confirmed(offset);
                     metrics
                         .committed_offset
                         .with_label_values(&[el.topic(), &el.partition().to_string()])
                         .set(offset);
                 }
-                (Some(e), _) => {
-                    failed += 1;
-                    o.commit_failed(offset);
-                    metrics.commit_errors.inc();
-                    tracing::warn!(error = %e, partition = el.partition(), offset,
-                        "offset commit failed; will send it again");
-                }
-                (None, Some(e)) => {
-                    failed += 1;
-                    o.commit_failed(offset);
-                    metrics.commit_errors.inc();
-                    tracing::warn!(error = %e, partition = el.partition(), offset,
-                        "offset commit failed; will send it again");
-                }
+                Some(_) => o.commit_failed(offset),
             }
         }
         let failing = self
@@ -268,6 +274,39 @@ impl Book {
             .count();
         metrics.commit_failing_partitions.set(failing as i64);
         failed
+    }
+
+    /// Whether a partition's replay span has reached half of `cap`: commit now rather than at
+    /// the interval, before the cap holds intake.
+    fn commit_urgent(&self, cap: usize) -> bool {
+        self.tracker.partitions().any(|(_, o)| {
+            o.replay_span() >= cap / 2
+                && o.commit_candidate()
+                    .is_some_and(|w| o.confirmed().is_none_or(|c| w > c))
+        })
+    }
+
+    /// The commit thread's commit has gone unanswered for several intervals: the partitions
+    /// it carries count as failing (counted and logged once per stall).
+    fn commit_stalled(&mut self, metrics: &Metrics) {
+        let mut stalled = Vec::new();
+        for (p, o) in self.tracker.partitions_mut() {
+            if o.commit_stalled() {
+                stalled.push(p);
+            }
+        }
+        if !stalled.is_empty() {
+            metrics.commit_errors.inc();
+            tracing::warn!(partitions = ?stalled,
+                "offset commit unanswered for several commit intervals (coordinator away?); \
+                 counting from the last confirmed commit");
+        }
+        let failing = self
+            .tracker
+            .partitions()
+            .filter(|(_, o)| o.is_failing())
+            .count();
+        metrics.commit_failing_partitions.set(failing as i64);
     }
 
     /// Drops `partitions` without a drain or a commit: their leases are revoked (results of
@@ -422,7 +461,8 @@ impl IntakeContext {
             // Handlers still running past the deadline write nothing from now on; results
             // already sent must land before the partition changes hands.
             leases.iter().for_each(|l| l.revoke());
-            book = drain_writes(book, &leases, Instant::now() + drain_for, self);
+            let fence = Instant::now() + self.settings.write_fence_timeout;
+            book = drain_writes(book, &leases, fence, self);
             let late = Book::writes_in_flight(&leases);
             if late > 0 {
                 self.metrics.late_writes.inc_by(late);
@@ -565,10 +605,6 @@ impl ConsumerContext for IntakeContext {
             Rebalance::Revoke(_) => {}
         }
     }
-
-    fn commit_callback(&self, result: KafkaResult<()>, offsets: &TopicPartitionList) {
-        self.book().commit_answered(&result, offsets, &self.metrics);
-    }
 }
 
 /// The consumer loop. Build it with [`IntakeLoop::new`], then [`IntakeLoop::run`] it on its own
@@ -580,6 +616,7 @@ pub struct IntakeLoop {
     producer: StageProducer,
     runtime: tokio::runtime::Handle,
     tokens: IntakeTokens,
+    committer: RefCell<Committer>,
 }
 
 /// How the consumer loop is told to stop, and tells the sessions to.
@@ -640,7 +677,10 @@ impl IntakeLoop {
         let consumer: Arc<BaseConsumer<IntakeContext>> =
             Arc::new(config.create_with_context(context)?);
         let router = SessionRouter::new(dispatchers.len());
+        let committer = Committer::spawn(consumer.clone(), &consumer.context().settings.input)
+            .map_err(|e| KafkaError::ClientCreation(format!("commit thread: {e}")))?;
         Ok(Self {
+            committer: RefCell::new(committer),
             consumer,
             dispatchers,
             router,
@@ -695,8 +735,19 @@ impl IntakeLoop {
             took |= self.take_from_partitions(&queues);
             self.ctx().book().apply_ready(&self.ctx().metrics);
             let (holding, released) = self.relieve_pressure();
-            if last_commit.elapsed() >= self.ctx().settings.commit_interval {
-                self.commit(CommitMode::Async, false);
+            self.take_commit_answers();
+            // Every interval, and early when a partition's replay span reaches half its cap
+            // (the cap counts from the last confirmed commit, so commits must keep up).
+            let interval = last_commit.elapsed() >= self.ctx().settings.commit_interval;
+            if interval
+                || self
+                    .ctx()
+                    .book()
+                    .commit_urgent(self.ctx().settings.max_in_flight_per_partition)
+            {
+                self.commit_in_background(interval);
+            }
+            if interval {
                 last_commit = Instant::now();
             }
             if last_health.elapsed() >= HEALTH_CHECK {
@@ -885,19 +936,45 @@ impl IntakeLoop {
         (held > 0, released)
     }
 
-    /// Sends the watermarks that need it (all, with `force`). An asynchronous commit's answer
-    /// arrives in the commit callback; a synchronous one's is taken here. Returns how many
-    /// partitions failed (always 0 for an asynchronous commit that was sent).
-    fn commit(&self, mode: CommitMode, force: bool) -> usize {
+    /// Hands the watermarks that need sending to the commit thread, unless its last commit is
+    /// still unanswered (the next turn tries again).
+    /// `interval`: this is the interval's turn (an unanswered commit ages by one).
+    fn commit_in_background(&self, interval: bool) {
+        let mut committer = self.committer.borrow_mut();
+        if committer.busy() {
+            if interval && committer.note_busy_turn() == COMMIT_STALL_TURNS {
+                let ctx = self.ctx();
+                ctx.book().commit_stalled(&ctx.metrics);
+            }
+            return;
+        }
         let ctx = self.ctx();
-        let tpl = ctx.book().commit_list(None, force);
+        let tpl = ctx.book().commit_list(None, false);
+        if tpl.count() > 0 && committer.send(tpl).is_err() {
+            tracing::error!("the commit thread is gone; commits stop");
+        }
+    }
+
+    /// Takes the commit thread's answer, if one has arrived, into the tracker.
+    fn take_commit_answers(&self) {
+        let answer = self.committer.borrow_mut().answer();
+        if let Some(a) = answer {
+            let ctx = self.ctx();
+            ctx.book()
+                .commit_answered(&a.result, &a.offsets, &ctx.metrics);
+        }
+    }
+
+    /// Commits every watermark synchronously on this thread (the final commit). Returns how
+    /// many partitions failed.
+    fn commit_now(&self) -> usize {
+        let ctx = self.ctx();
+        let tpl = ctx.book().commit_list(None, true);
         if tpl.count() == 0 {
             return 0;
         }
-        match (self.consumer.commit(&tpl, mode), mode) {
-            (Ok(()), CommitMode::Async) => 0,
-            (result, _) => ctx.book().commit_answered(&result, &tpl, &ctx.metrics),
-        }
+        let result = self.consumer.commit(&tpl, CommitMode::Sync);
+        ctx.book().commit_answered(&result, &tpl, &ctx.metrics)
     }
 
     /// Blocks (with retries) until the input topic exists. False when stopped meanwhile.
@@ -984,11 +1061,12 @@ impl IntakeLoop {
                 );
                 break;
             }
-            // Keep the membership and the commits going: rebalances, commit answers and
-            // max.poll.interval.ms all need the consumer served.
+            // Keep the membership and the commits going: rebalances and max.poll.interval.ms
+            // need the consumer served.
             self.serve_events_only();
+            self.take_commit_answers();
             if last_commit.elapsed() >= ctx.settings.commit_interval {
-                self.commit(CommitMode::Async, false);
+                self.commit_in_background(true);
                 last_commit = Instant::now();
             }
         }
@@ -1013,7 +1091,12 @@ impl IntakeLoop {
             ctx.metrics.late_writes.inc_by(late);
             tracing::error!(late, "results still unacknowledged at shutdown");
         }
-        let result = match self.commit(CommitMode::Sync, true) {
+        let last = self.committer.borrow_mut().finish();
+        if let Some(a) = last {
+            ctx.book()
+                .commit_answered(&a.result, &a.offsets, &ctx.metrics);
+        }
+        let result = match self.final_commit() {
             0 => {
                 tracing::info!("final watermarks committed");
                 Ok(())
@@ -1035,6 +1118,29 @@ impl IntakeLoop {
         result
     }
 
+    /// The final commit. A rebalance may be under way as the worker stops (other members
+    /// joining or leaving at once), and the broker then refuses commits of the old generation:
+    /// serve the consumer (the revocation commits what it takes away) and try again, a few
+    /// times, before calling it a failure. Returns how many partitions failed the last try.
+    fn final_commit(&self) -> usize {
+        let until = Instant::now() + FINAL_COMMIT_RETRIES;
+        loop {
+            let failed = self.commit_now();
+            if failed == 0 || Instant::now() >= until {
+                return failed;
+            }
+            tracing::info!(
+                failed,
+                "final commit refused; serving the group and trying again"
+            );
+            let pause = Instant::now() + DRAIN_CHECK * 4;
+            while Instant::now() < pause {
+                self.serve_events_only();
+                std::thread::sleep(DRAIN_CHECK / 5);
+            }
+        }
+    }
+
     /// Serves the consumer's events (rebalances, commit answers) without taking records: any
     /// record still in the main queue is left uncommitted, for the next owner.
     fn serve_events_only(&self) {
@@ -1046,6 +1152,8 @@ impl IntakeLoop {
     }
 
     fn close(self) {
+        // Its thread holds the consumer too: end it before the consumer is closed.
+        self.committer.borrow_mut().finish();
         self.ctx().closing.store(true, Ordering::Release);
         self.consumer.unsubscribe();
         // Serve the revocation that unsubscribing triggers, briefly.

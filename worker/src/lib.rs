@@ -9,6 +9,7 @@
 //! ([`completion`]), and the consumer loop commits the contiguous watermark.
 
 pub mod backpressure;
+pub mod committer;
 pub mod completion;
 pub mod config;
 pub mod demo;

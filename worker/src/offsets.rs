@@ -10,9 +10,10 @@
 //! A watermark counts as committed only once the broker has confirmed it. A commit is *sent*,
 //! then *confirmed* or *failed* by the broker's answer; a watermark sent and never answered is
 //! sent again after a few commit turns, so a lost or misrouted answer cannot freeze the
-//! partition's committed offset while every probe looks green. While commits fail, what a
-//! crash would replay grows from the last *confirmed* commit, not from the watermark: that is
-//! the span the in-flight cap is checked against then (see [`PartitionOffsets::replay_span`]).
+//! partition's committed offset while every probe looks green. What a crash would replay is
+//! everything from the last *confirmed* commit, not from the watermark: that is the span the
+//! in-flight cap is checked against (see [`PartitionOffsets::replay_span`]), so a commit
+//! outage holds intake at the cap instead of letting the replay grow.
 //!
 //! This module is pure bookkeeping — no Kafka, no tokio — so it can be tested exhaustively.
 
@@ -127,6 +128,17 @@ impl PartitionOffsets {
         self.failing = true;
     }
 
+    /// The commit on its way has gone unanswered for too long (librdkafka keeps retrying a
+    /// commit while the coordinator is away, and answers nothing meanwhile): count it as failing
+    /// for the replay span until an answer comes.
+    pub fn commit_stalled(&mut self) -> bool {
+        let stalled = self.sent.is_some() && !self.failing;
+        if stalled {
+            self.failing = true;
+        }
+        stalled
+    }
+
     /// The committed offset found on assignment (what a crash now would replay from).
     pub fn set_confirmed(&mut self, offset: Offset) {
         self.confirmed = Some(offset);
@@ -151,12 +163,11 @@ impl PartitionOffsets {
         }
     }
 
-    /// What a crash now would replay: [`span`](Self::span) while commits succeed; while they
-    /// fail, everything from the last confirmed commit (or the first record taken in) on.
+    /// What a crash now would replay: everything from the last commit the broker confirmed
+    /// (or, before any, from the first record taken in) to the newest record taken in. At
+    /// least [`span`](Self::span); more while a commit is on its way, and much more while
+    /// commits fail.
     pub fn replay_span(&self) -> usize {
-        if !self.failing {
-            return self.span();
-        }
         let floor = match (self.confirmed, self.first) {
             // Below the first record fetched there is nothing to replay.
             (Some(c), Some(f)) => c.max(f),
@@ -363,6 +374,30 @@ mod tests {
     }
 
     #[test]
+    fn a_stalled_commit_counts_as_failing_until_answered() {
+        let mut p = PartitionOffsets::default();
+        for o in 0..300 {
+            p.begin(o).unwrap();
+            p.complete(o).unwrap();
+        }
+        p.set_confirmed(0);
+        p.begin(300).unwrap();
+        p.mark_sent(300);
+        assert!(p.commit_stalled());
+        assert!(p.is_failing());
+        assert!(!p.commit_stalled(), "reported once");
+        assert_eq!(
+            p.replay_span(),
+            301,
+            "everything since the last confirmed commit"
+        );
+        p.commit_confirmed(300);
+        assert!(!p.is_failing());
+        assert_eq!(p.replay_span(), 1);
+        assert!(!p.commit_stalled(), "nothing on its way");
+    }
+
+    #[test]
     fn an_old_failure_after_a_newer_success_changes_nothing() {
         let mut p = PartitionOffsets::default();
         for o in 0..10 {
@@ -377,7 +412,7 @@ mod tests {
     }
 
     #[test]
-    fn while_commits_fail_the_replay_span_counts_from_the_last_confirmed_commit() {
+    fn the_replay_span_counts_from_the_last_confirmed_commit() {
         let mut p = PartitionOffsets::default();
         p.set_confirmed(100);
         for o in 100..150 {
@@ -392,13 +427,13 @@ mod tests {
         }
         p.begin(400).unwrap();
         assert_eq!(p.span(), 1);
-        assert_eq!(p.replay_span(), 1, "commits succeed: the watermark span");
-        p.mark_sent(400);
-        p.commit_failed(400);
         assert_eq!(p.replay_span(), 251, "150..=400 would be replayed");
         p.mark_sent(400);
+        p.commit_failed(400);
+        assert_eq!(p.replay_span(), 251, "still, while the commit fails");
+        p.mark_sent(400);
         p.commit_confirmed(400);
-        assert_eq!(p.replay_span(), 1);
+        assert_eq!(p.replay_span(), 1, "confirmed: only the unfinished record");
     }
 
     #[test]

@@ -46,9 +46,11 @@ struct Inner {
     stage: String,
     completions: CompletionSender,
     metrics: Metrics,
+    events: ProducerEvents,
 }
 
-/// The producer client's error callback: a fatal error stops the worker.
+/// What a fatal producer error sets off: the worker goes not-ready and stops.
+#[derive(Clone)]
 pub struct ProducerEvents {
     pub health: Arc<Health>,
     pub metrics: Metrics,
@@ -56,14 +58,26 @@ pub struct ProducerEvents {
     pub fatal: CancellationToken,
 }
 
+impl ProducerEvents {
+    fn raise_fatal(&self, error: &dyn std::fmt::Display) {
+        if self.fatal.is_cancelled() {
+            return;
+        }
+        self.metrics.fatal_errors.inc();
+        self.health.fail();
+        tracing::error!(error = %error,
+            "fatal producer error: the worker stops; a restart replays what was in flight");
+        self.fatal.cancel();
+    }
+}
+
 impl ClientContext for ProducerEvents {
     fn error(&self, error: KafkaError, reason: &str) {
+        // librdkafka reports a fatal error with its underlying code (e.g. an out-of-order
+        // sequence number), so the client's fatal state is also checked after every failed
+        // write (see `StageProducer::check_fatal`).
         if error.rdkafka_error_code() == Some(RDKafkaErrorCode::Fatal) {
-            self.metrics.fatal_errors.inc();
-            self.health.fail();
-            tracing::error!(error = %error, reason,
-                "fatal producer error: the worker stops; a restart replays what was in flight");
-            self.fatal.cancel();
+            self.raise_fatal(&error);
         } else {
             tracing::warn!(error = %error, reason, "kafka producer error");
         }
@@ -108,7 +122,8 @@ impl StageProducer {
         completions: CompletionSender,
         metrics: Metrics,
     ) -> anyhow::Result<Self> {
-        let producer: FutureProducer<ProducerEvents> = config.create_with_context(events)?;
+        let producer: FutureProducer<ProducerEvents> =
+            config.create_with_context(events.clone())?;
         Ok(Self {
             inner: Arc::new(Inner {
                 producer,
@@ -117,8 +132,22 @@ impl StageProducer {
                 stage,
                 completions,
                 metrics,
+                events,
             }),
         })
+    }
+
+    /// After a failed write: if the client is in a fatal state (an idempotent producer that
+    /// can no longer keep order), stop the worker.
+    fn check_fatal<T>(&self, result: Result<T, WriteError>) -> Result<T, WriteError> {
+        if result.is_err() {
+            if let Some((code, reason)) = self.inner.producer.client().fatal_error() {
+                self.inner
+                    .events
+                    .raise_fatal(&format!("{code:?}: {reason}"));
+            }
+        }
+        result
     }
 
     /// Whether this stage writes outputs at all (a terminal stage does not).
@@ -147,8 +176,9 @@ impl StageProducer {
         let ack = self
             .enqueue(topic, Some(key), Some(payload), headers)
             .await
-            .map_err(WriteError::Refused)?;
-        acknowledged(ack).await?;
+            .map_err(WriteError::Refused);
+        let ack = self.check_fatal(ack)?;
+        self.check_fatal(acknowledged(ack).await)?;
         self.inner.metrics.records_out.inc();
         Ok(())
     }
@@ -171,8 +201,9 @@ impl StageProducer {
                 headers,
             )
             .await
-            .map_err(WriteError::Refused)?;
-        acknowledged(ack).await?;
+            .map_err(WriteError::Refused);
+        let ack = self.check_fatal(ack)?;
+        self.check_fatal(acknowledged(ack).await)?;
         self.inner
             .metrics
             .dlq

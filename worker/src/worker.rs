@@ -150,6 +150,7 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         commit_interval: Duration::from_millis(config.commit_interval_ms),
         max_in_flight_per_partition: config.max_in_flight_per_partition,
         revoke_drain_timeout: Duration::from_millis(config.rebalance.drain_timeout_ms),
+        write_fence_timeout: Duration::from_millis(config.write_fence_ms()),
         shutdown_timeout: Duration::from_millis(config.shutdown_timeout_ms),
         shutdown_drain_queued: config.shutdown_drain_queued,
     };

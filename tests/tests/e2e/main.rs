@@ -3,7 +3,11 @@
 //! topics and group.
 
 mod backpressure;
+mod commit_outage;
 mod dead_letters;
+mod fatal;
+mod faults;
+mod handover;
 mod http_handler;
 mod isolation;
 mod logs;
@@ -13,6 +17,7 @@ mod otlp;
 mod rebalance;
 mod replays;
 mod restart;
+mod shutdown;
 mod stuck;
 mod trace_context;
 

@@ -1,0 +1,121 @@
+//! The judgement of a chaos run, on one line a CI log and a human can both read.
+//!
+//! A run is OK when `verify` finds nothing lost, nothing out of order, no session ending on
+//! an older record, no gap the input does not have itself, and the group's committed offsets
+//! reached the input's end. Duplicates (at-least-once replays) are reported, not judged; so
+//! are gaps of the input topic (see [`crate::input`]).
+
+use std::fmt;
+
+use sessionflow_worker::verify::VerifyReport;
+
+use crate::input::InputAudit;
+
+pub struct Verdict {
+    pub seed: u64,
+    pub seconds: u64,
+    pub input: InputAudit,
+    pub report: VerifyReport,
+    /// The group's committed offsets equalled the input's end offsets, before and after the
+    /// workers stopped.
+    pub committed_equals_end: bool,
+}
+
+impl Verdict {
+    pub fn is_ok(&self) -> bool {
+        let r = &self.report;
+        r.lost == 0
+            && r.order_violations == 0
+            && r.stale_ends == 0
+            && r.gaps <= self.input.gaps
+            && self.committed_equals_end
+    }
+}
+
+impl fmt::Display for Verdict {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let r = &self.report;
+        write!(
+            f,
+            "chaos: seed={} seconds={} records={} lost={} order_violations={} stale_ends={} \
+             duplicates={} committed==end: {} → {}",
+            self.seed,
+            self.seconds,
+            self.input.records,
+            r.lost,
+            r.order_violations,
+            r.stale_ends,
+            r.duplicates,
+            if self.committed_equals_end {
+                "yes"
+            } else {
+                "no"
+            },
+            if self.is_ok() { "OK" } else { "FAILED" }
+        )?;
+        if r.gaps > 0 || self.input.gaps > 0 {
+            write!(
+                f,
+                " (output gaps={}, input gaps={})",
+                r.gaps, self.input.gaps
+            )?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn verdict(report: VerifyReport, committed_equals_end: bool) -> Verdict {
+        Verdict {
+            seed: 7,
+            seconds: 90,
+            input: InputAudit {
+                records: 100,
+                ..Default::default()
+            },
+            report,
+            committed_equals_end,
+        }
+    }
+
+    #[test]
+    fn ok_needs_a_clean_report_and_lag_zero() {
+        assert!(verdict(VerifyReport::default(), true).is_ok());
+        assert!(!verdict(VerifyReport::default(), false).is_ok());
+        let stale = VerifyReport {
+            stale_ends: 1,
+            ..Default::default()
+        };
+        assert!(!verdict(stale, true).is_ok());
+        let replays = VerifyReport {
+            duplicates: 40,
+            ..Default::default()
+        };
+        assert!(verdict(replays, true).is_ok());
+    }
+
+    #[test]
+    fn only_gaps_the_input_has_too_are_forgiven() {
+        let gaps = VerifyReport {
+            gaps: 2,
+            ..Default::default()
+        };
+        let mut v = verdict(gaps, true);
+        assert!(!v.is_ok());
+        v.input.gaps = 2;
+        assert!(v.is_ok());
+        assert!(v
+            .to_string()
+            .ends_with("→ OK (output gaps=2, input gaps=2)"));
+    }
+
+    #[test]
+    fn the_line_names_the_seed_and_the_outcome() {
+        let line = verdict(VerifyReport::default(), false).to_string();
+        assert!(line.starts_with("chaos: seed=7 seconds=90 records=100 lost=0"));
+        assert!(line.ends_with("committed==end: no → FAILED"), "{line}");
+    }
+}
