@@ -17,6 +17,7 @@ fn colour(kind: SystemKind) -> RGBColor {
     match kind {
         SystemKind::Ceiling => RGBColor(120, 120, 120),
         SystemKind::Sessionflow => RGBColor(31, 119, 180),
+        SystemKind::SessionflowOutput => RGBColor(44, 160, 44),
         SystemKind::Sequential => RGBColor(214, 39, 40),
         SystemKind::Pool => RGBColor(255, 127, 14),
     }

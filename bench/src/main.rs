@@ -46,9 +46,18 @@ struct Cli {
     /// Run only these scenarios (comma-separated), e.g. `--only p1,p3`.
     #[arg(long, value_delimiter = ',')]
     only: Vec<ScenarioId>,
-    /// Run only these systems (development), e.g. `--systems sessionflow`.
+    /// Run only these systems, e.g. `--systems sessionflow` or `--systems sessionflow-output`
+    /// (sessionflow with an output topic, which no scenario runs by default).
     #[arg(long, value_delimiter = ',')]
     systems: Vec<systems::SystemKind>,
+    /// Also run sessionflow as a stage with an output topic ("sessionflow + output"): the
+    /// handler returns the input value, the engine writes it to a topic made for the run.
+    #[arg(long)]
+    sessionflow_output: bool,
+    /// Extra librdkafka properties for sessionflow's stage (its `kafka:` map, which its
+    /// consumer and producer both get), e.g. `--sessionflow-kafka linger.ms=1`; repeatable.
+    #[arg(long, value_parser = key_value)]
+    sessionflow_kafka: Vec<(String, String)>,
     /// Workers of the flat-pool baseline.
     #[arg(long, default_value_t = 64)]
     pool_workers: usize,
@@ -121,6 +130,7 @@ async fn main() -> anyhow::Result<()> {
         pool_queue: cli.pool_queue,
         telemetry: cli.telemetry,
         fetch_wait_ms: cli.fetch_wait_ms,
+        sessionflow_kafka: cli.sessionflow_kafka.clone(),
         log_dir: cli.log_dir.clone(),
         broker_pid,
     };
@@ -137,8 +147,9 @@ async fn main() -> anyhow::Result<()> {
         if !cli.only.is_empty() && !cli.only.contains(&sc.id) {
             continue;
         }
-        if !cli.systems.is_empty() {
-            sc.systems.retain(|s| cli.systems.contains(s));
+        sc.systems = systems::select(&sc.systems, &cli.systems, cli.sessionflow_output);
+        if sc.systems.is_empty() {
+            continue;
         }
         eprintln!("== {:?}: {}", sc.id, sc.title);
         match scenarios::run(&opts, &sc).await {
@@ -196,6 +207,13 @@ async fn main() -> anyhow::Result<()> {
     }
     anyhow::ensure!(failures.is_empty(), "{} scenario(s) failed", failures.len());
     Ok(())
+}
+
+/// `KEY=VALUE`.
+fn key_value(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .ok_or_else(|| format!("expected KEY=VALUE, got {s:?}"))
 }
 
 /// How this benchmark was started (`make bench` sets MAKELEVEL for its recipes).

@@ -289,6 +289,8 @@ pub struct Options {
     pub pool_queue: usize,
     pub telemetry: bool,
     pub fetch_wait_ms: u64,
+    /// Extra librdkafka properties for sessionflow's stage.
+    pub sessionflow_kafka: Vec<(String, String)>,
     /// Where each child's stderr goes.
     pub log_dir: PathBuf,
     /// The broker's process, when it runs on this machine (its CPU time is read).
@@ -500,6 +502,8 @@ fn spec(
             brokers: opts.brokers.clone(),
             topic: topic.to_string(),
             dlq: dlq.to_string(),
+            output: (system == SystemKind::SessionflowOutput)
+                .then(|| format!("bench-{id}-{kind}-out-{}-{tag}", system.short())),
             group: format!("bench-{id}-{kind}-{}-{tag}", system.short()),
             partitions: sc.partitions,
             retry_initial_ms: sc.retry_initial_ms,
@@ -509,6 +513,7 @@ fn spec(
             session_idle_ms: sc.session_idle_ms,
             telemetry: opts.telemetry,
             fetch_wait_ms: opts.fetch_wait_ms,
+            sessionflow_kafka: opts.sessionflow_kafka.clone(),
         },
         // The ceiling does no processing: no simulated I/O, no faults.
         handler: if system == SystemKind::Ceiling {
@@ -545,17 +550,37 @@ fn broker_cpu(opts: &Options) -> Option<f64> {
     opts.broker_pid.and_then(process_cpu_seconds)
 }
 
+/// Runs `run` with the run's output topic (sessionflow + output) created first and deleted
+/// afterwards, whatever the run's fate.
+async fn with_output_topic<T>(
+    opts: &Options,
+    sc: &Scenario,
+    spec: &RunSpec,
+    run: impl std::future::Future<Output = anyhow::Result<T>>,
+) -> anyhow::Result<T> {
+    let Some(output) = &spec.settings.output else {
+        return run.await;
+    };
+    topics::create(&opts.brokers, &[output], sc.partitions).await?;
+    let result = run.await;
+    let _ = topics::delete(&opts.brokers, &[output]).await;
+    result
+}
+
 async fn run_backlog(
     opts: &Options,
     sc: &Scenario,
     spec: &RunSpec,
     id: &str,
 ) -> anyhow::Result<Measured> {
-    let started = Instant::now();
-    let cpu0 = broker_cpu(opts);
-    let child = ChildRun::spawn(&opts.exe, spec, &log_path(opts, id, spec, "backlog"))?;
-    let result = child.result().await?;
-    Ok(Measured::of(opts, sc, spec, result, started, cpu0))
+    with_output_topic(opts, sc, spec, async {
+        let started = Instant::now();
+        let cpu0 = broker_cpu(opts);
+        let child = ChildRun::spawn(&opts.exe, spec, &log_path(opts, id, spec, "backlog"))?;
+        let result = child.result().await?;
+        Ok(Measured::of(opts, sc, spec, result, started, cpu0))
+    })
+    .await
 }
 
 async fn run_paced(
@@ -575,19 +600,22 @@ async fn run_paced(
     } else {
         "paced"
     };
-    let mut child = ChildRun::spawn(&opts.exe, spec, &log_path(opts, id, spec, kind))?;
-    child.ready().await?;
-    let cpu0 = broker_cpu(opts);
-    child.go(now_us()).await?;
-    let produced = producer
-        .produce(&load(sc, topic, paced.records, paced.rate))
-        .await?;
-    let result = child.result().await?;
-    Ok(Measured {
-        offered_rate: paced.rate,
-        produced_rate: Some(paced.records as f64 / produced.elapsed.as_secs_f64()),
-        ..Measured::of(opts, sc, spec, result, started, cpu0)
+    with_output_topic(opts, sc, spec, async {
+        let mut child = ChildRun::spawn(&opts.exe, spec, &log_path(opts, id, spec, kind))?;
+        child.ready().await?;
+        let cpu0 = broker_cpu(opts);
+        child.go(now_us()).await?;
+        let produced = producer
+            .produce(&load(sc, topic, paced.records, paced.rate))
+            .await?;
+        let result = child.result().await?;
+        Ok(Measured {
+            offered_rate: paced.rate,
+            produced_rate: Some(paced.records as f64 / produced.elapsed.as_secs_f64()),
+            ..Measured::of(opts, sc, spec, result, started, cpu0)
+        })
     })
+    .await
 }
 
 fn report_progress(id: &str, system: SystemKind, kind: &str, m: &Measured) {

@@ -168,15 +168,6 @@ pub fn builtin(transient_rate: f64, poison_rate: f64) -> HandlerConfig {
     })
 }
 
-fn metadata_consumer(group: &str) -> BaseConsumer {
-    ClientConfig::new()
-        .set("bootstrap.servers", brokers())
-        .set("group.id", group)
-        .set("enable.auto.commit", "false")
-        .create()
-        .expect("consumer")
-}
-
 fn partition_count(consumer: &BaseConsumer, topic: &str) -> i32 {
     let md = consumer
         .fetch_metadata(Some(topic), Duration::from_secs(10))
@@ -186,33 +177,12 @@ fn partition_count(consumer: &BaseConsumer, topic: &str) -> i32 {
 
 /// High watermarks of every partition of `topic`.
 pub fn end_offsets(topic: &str) -> Vec<i64> {
-    let c = metadata_consumer("sessionflow-tests-metadata");
-    (0..partition_count(&c, topic))
-        .map(|p| {
-            c.fetch_watermarks(topic, p, Duration::from_secs(10))
-                .expect("watermarks")
-                .1
-        })
-        .collect()
+    end_offsets_on(&brokers(), topic)
 }
 
 /// Committed offsets of `group` on `topic` (-1 where nothing is committed).
 pub fn committed_offsets(group: &str, topic: &str) -> Vec<i64> {
-    let c = metadata_consumer(group);
-    let mut tpl = TopicPartitionList::new();
-    for p in 0..partition_count(&c, topic) {
-        tpl.add_partition(topic, p);
-    }
-    let got = c
-        .committed_offsets(tpl, Duration::from_secs(10))
-        .expect("committed offsets");
-    got.elements()
-        .iter()
-        .map(|e| match e.offset() {
-            Offset::Offset(o) => o,
-            _ => -1,
-        })
-        .collect()
+    committed_offsets_on(&brokers(), group, topic)
 }
 
 /// Polls `condition` every 100 ms until it holds or `timeout` passes.
@@ -590,15 +560,7 @@ pub fn assert_replays_within(report: &sessionflow_worker::verify::VerifyReport, 
 
 /// Reads the output and DLQ back and checks them against the input.
 pub fn verify_pipeline(topics: &Topics) -> sessionflow_worker::verify::VerifyReport {
-    sessionflow_worker::verify::run(&sessionflow_worker::verify::VerifyOptions {
-        brokers: brokers(),
-        topic: topics.output.clone(),
-        dlq: Some(topics.dlq.clone()),
-        input: Some(topics.input.clone()),
-        session_header: None,
-        timeout: Duration::from_secs(60),
-    })
-    .expect("verify")
+    verify_on(&brokers(), topics)
 }
 
 /// Produces one record with the given key, value and headers, and waits for its ack.

@@ -162,7 +162,8 @@ pub struct BuiltinHandlerConfig {
     #[serde(default)]
     pub latency_ms: u64,
     /// Fraction of records whose *first* attempt is slow (an LLM call that outlasts a
-    /// rebalance drain), in [0, 1]; drawn per event id, so replays draw the same.
+    /// rebalance drain), in [0, 1]; drawn per event id and worker process, so a record
+    /// redone by another worker is usually quick.
     #[serde(default)]
     #[cfg_attr(feature = "schema", schemars(range(min = 0.0, max = 1.0)))]
     pub slow_rate: f64,

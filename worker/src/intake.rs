@@ -267,12 +267,7 @@ impl Book {
                 Some(_) => o.commit_failed(offset),
             }
         }
-        let failing = self
-            .tracker
-            .partitions()
-            .filter(|(_, o)| o.is_failing())
-            .count();
-        metrics.commit_failing_partitions.set(failing as i64);
+        self.count_failing(metrics);
         failed
     }
 
@@ -301,6 +296,10 @@ impl Book {
                 "offset commit unanswered for several commit intervals (coordinator away?); \
                  counting from the last confirmed commit");
         }
+        self.count_failing(metrics);
+    }
+
+    fn count_failing(&self, metrics: &Metrics) {
         let failing = self
             .tracker
             .partitions()

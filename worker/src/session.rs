@@ -16,11 +16,12 @@
 //!
 //! Session tasks exist only while a session is active; the dispatcher spawns them on a
 //! session's first record and drops them after `sessionIdleMs` without work. While alive, a task
-//! remembers the event ids it recently settled, so a replayed record (its partition came back
-//! after a rebalance, before the commit caught up) is not processed and produced twice. An id
-//! enters that memory only once its result is acknowledged, so a skip never hides a loss.
+//! remembers the event ids it recently settled, so a record replayed upstream (the same event
+//! again, in the same assignment) is not processed and produced twice. An id enters that memory
+//! only once its result is acknowledged, so a skip never hides a loss; and it is honoured only
+//! within the assignment that settled it (see `RecentEvents`).
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -139,24 +140,30 @@ impl SessionHandle {
     }
 }
 
-/// Event ids a session finished recently, oldest evicted first.
+/// Event ids a session settled recently, each with the assignment (lease epoch) it was
+/// settled under, oldest evicted first.
+///
+/// A replay is skipped only within the assignment that settled it (an upstream replay of the
+/// same event). Once the partition has been away and come back, another owner may have
+/// written the session's later records meanwhile; skipping the rest of a replayed range the
+/// new owner started would leave the session's output ending on an older record.
 #[derive(Default)]
 struct RecentEvents {
     order: VecDeque<String>,
-    set: HashSet<String>,
+    epochs: HashMap<String, u64>,
 }
 
 impl RecentEvents {
-    fn contains(&self, id: &str) -> bool {
-        self.set.contains(id)
+    fn contains(&self, id: &str, epoch: u64) -> bool {
+        self.epochs.get(id) == Some(&epoch)
     }
 
-    fn insert(&mut self, id: &str) {
-        if self.set.insert(id.to_string()) {
+    fn insert(&mut self, id: &str, epoch: u64) {
+        if self.epochs.insert(id.to_string(), epoch).is_none() {
             self.order.push_back(id.to_string());
             if self.order.len() > RECENT_EVENT_IDS {
                 if let Some(old) = self.order.pop_front() {
-                    self.set.remove(&old);
+                    self.epochs.remove(&old);
                 }
             }
         }
@@ -184,7 +191,7 @@ impl<H: Handler> SessionTask<H> {
             }
             if record.lease.is_draining() || self.ctx.release_queued.is_cancelled() {
                 self.ctx.producer.release(&record);
-            } else if self.recent.contains(&record.event_id) {
+            } else if self.recent.contains(&record.event_id, record.lease.epoch) {
                 self.ctx.metrics.replay_skipped.inc();
                 self.ctx.producer.complete(&record);
             } else {
@@ -231,7 +238,7 @@ impl<H: Handler> SessionTask<H> {
         .await;
         watch.finish(&self.ctx.metrics);
         if settled == Settled::Done {
-            self.recent.insert(&record.event_id);
+            self.recent.insert(&record.event_id, record.lease.epoch);
         }
     }
 

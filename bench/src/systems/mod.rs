@@ -6,6 +6,11 @@
 //! - [`ceiling`]: one librdkafka consumer and a poll loop that only measures — the rate no
 //!   consumer design on this broker and machine can beat;
 //! - [`sessionflow`]: the engine, in-process through its library API, with the bench handler;
+//!   a terminal stage, like the baselines. Selected on request (`--systems sessionflow-output`
+//!   or `--sessionflow-output`), *sessionflow + output* is the same engine as a stage with an
+//!   output topic (created and deleted per run): the handler returns the input value and the
+//!   engine writes it, so the run pays for one output record per input record — and for the
+//!   session waiting for its acknowledgement before its next record;
 //! - [`sequential`]: the classic design — one task per partition, one record at a time, retries
 //!   in place, so a slow or failing record holds up its whole partition;
 //! - [`pool`]: the seed's first design — sessions hashed onto a fixed pool of workers, each
@@ -43,11 +48,14 @@ use crate::handler::Core;
 pub enum SystemKind {
     Ceiling,
     Sessionflow,
+    /// sessionflow as a stage with an output topic (not in [`SystemKind::ALL`]: on request).
+    SessionflowOutput,
     Sequential,
     Pool,
 }
 
 impl SystemKind {
+    /// The systems every scenario runs by default (`make bench`).
     pub const ALL: [SystemKind; 4] = [
         SystemKind::Ceiling,
         SystemKind::Sessionflow,
@@ -59,6 +67,7 @@ impl SystemKind {
         match self {
             Self::Ceiling => "raw consumer (ceiling)",
             Self::Sessionflow => "sessionflow",
+            Self::SessionflowOutput => "sessionflow + output",
             Self::Sequential => "per-partition sequential",
             Self::Pool => "flat worker pool",
         }
@@ -68,10 +77,32 @@ impl SystemKind {
         match self {
             Self::Ceiling => "ceiling",
             Self::Sessionflow => "sessionflow",
+            Self::SessionflowOutput => "sessionflow-output",
             Self::Sequential => "sequential",
             Self::Pool => "pool",
         }
     }
+}
+
+/// The systems to run for a scenario whose own are `defaults`: sessionflow + output next to
+/// sessionflow when it is asked for (`with_output`, or named in `only`), then only those named
+/// in `only` (all when empty; `with_output` keeps sessionflow + output in).
+pub fn select(defaults: &[SystemKind], only: &[SystemKind], with_output: bool) -> Vec<SystemKind> {
+    let output = SystemKind::SessionflowOutput;
+    let mut systems = Vec::with_capacity(defaults.len() + 1);
+    for &s in defaults {
+        systems.push(s);
+        if s == SystemKind::Sessionflow
+            && (with_output || only.contains(&output))
+            && !defaults.contains(&output)
+        {
+            systems.push(output);
+        }
+    }
+    if !only.is_empty() {
+        systems.retain(|s| only.contains(s) || (with_output && *s == output));
+    }
+    systems
 }
 
 /// Where and how a system consumes.
@@ -81,6 +112,9 @@ pub struct SystemSettings {
     pub topic: String,
     /// sessionflow's dead-letter topic (nothing goes there: retries are unlimited).
     pub dlq: String,
+    /// sessionflow + output's output topic (one per run); `None`: a terminal stage.
+    #[serde(default)]
+    pub output: Option<String>,
     pub group: String,
     pub partitions: i32,
     pub retry_initial_ms: u64,
@@ -92,6 +126,9 @@ pub struct SystemSettings {
     pub telemetry: bool,
     /// librdkafka's `fetch.wait.max.ms`, for every system.
     pub fetch_wait_ms: u64,
+    /// Extra librdkafka properties for sessionflow's stage (`--sessionflow-kafka`).
+    #[serde(default)]
+    pub sessionflow_kafka: Vec<(String, String)>,
 }
 
 impl SystemSettings {
@@ -162,8 +199,45 @@ pub async fn start(
 ) -> anyhow::Result<Running> {
     match kind {
         SystemKind::Ceiling => ceiling::start(settings, core),
-        SystemKind::Sessionflow => sessionflow::start(settings, core).await,
+        SystemKind::Sessionflow | SystemKind::SessionflowOutput => {
+            sessionflow::start(settings, core).await
+        }
         SystemKind::Sequential => sequential::start(settings, core),
         SystemKind::Pool => pool::start(settings, core),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use SystemKind::*;
+
+    #[test]
+    fn sessionflow_output_runs_only_on_request_next_to_sessionflow() {
+        let all = SystemKind::ALL;
+        assert_eq!(select(&all, &[], false), all.to_vec());
+        assert_eq!(
+            select(&all, &[], true),
+            vec![Ceiling, Sessionflow, SessionflowOutput, Sequential, Pool]
+        );
+        assert_eq!(
+            select(&all, &[SessionflowOutput], false),
+            vec![SessionflowOutput]
+        );
+        assert_eq!(select(&all, &[Sessionflow], false), vec![Sessionflow]);
+        assert_eq!(
+            select(&all, &[Sessionflow], true),
+            vec![Sessionflow, SessionflowOutput]
+        );
+        assert_eq!(
+            select(&all, &[Sessionflow, SessionflowOutput], false),
+            vec![Sessionflow, SessionflowOutput]
+        );
+        // P5 runs sessionflow only; a scenario without sessionflow gets no output variant.
+        assert_eq!(
+            select(&[Sessionflow], &[], true),
+            vec![Sessionflow, SessionflowOutput]
+        );
+        assert_eq!(select(&[Pool], &[SessionflowOutput], false), vec![]);
     }
 }

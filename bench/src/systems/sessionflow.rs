@@ -3,7 +3,10 @@
 //! Exactly what a Rust user does: a `StageConfig`, a `Handler` of their own (here, the bench
 //! handler), `sessionflow_worker::start`. The stage is terminal (no output topic), like the
 //! baselines, so every system does the same work per record; the engine still tracks every
-//! offset, commits contiguous watermarks and runs its own order watchdog. With `telemetry` the
+//! offset, commits contiguous watermarks and runs its own order watchdog. As *sessionflow +
+//! output* (settings with an `output` topic) the handler returns the record's value and the
+//! engine writes it to that topic: a record is done when its output is acknowledged, which is
+//! what a pipeline stage that is not the last one pays. With `telemetry` the
 //! worker binary's tracing setup is installed first (a span per record and per attempt, as a
 //! deployed worker creates them), with logging at `warn`.
 
@@ -19,17 +22,24 @@ use super::{common_kafka, Running, SystemSettings};
 use crate::handler::Core;
 use crate::workload::decode;
 
-struct BenchHandler(Arc<Core>);
+struct BenchHandler {
+    core: Arc<Core>,
+    /// Return the input value as the output record (sessionflow + output).
+    echo: bool,
+}
 
 impl Handler for BenchHandler {
     async fn handle(&self, record: &InputRecord, attempt: u32) -> HandlerResult {
         let seq = record.header(header::SEQ).map(|b| &b[..]);
         match decode(record.value.as_deref(), seq) {
             Some(v) => self
-                .0
+                .core
                 .call(v, record.partition, attempt)
                 .await
-                .map(|()| None)
+                .map(|()| {
+                    self.echo
+                        .then(|| record.value.as_deref().unwrap_or_default().to_vec())
+                })
                 .map_err(HandlerError::Transient),
             None => Ok(None),
         }
@@ -40,13 +50,14 @@ pub fn stage_config(settings: &SystemSettings) -> StageConfig {
     let kafka: BTreeMap<String, String> = common_kafka(settings)
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
+        .chain(settings.sessionflow_kafka.iter().cloned())
         .collect();
     StageConfig {
         brokers: settings.brokers.clone(),
         group: Some(settings.group.clone()),
         stage: "bench".into(),
         input: settings.topic.clone(),
-        output: None,
+        output: settings.output.clone(),
         dlq: settings.dlq.clone(),
         session: Default::default(),
         // Not used: the bench handler is passed to `start` directly.
@@ -80,7 +91,11 @@ pub async fn start(settings: &SystemSettings, core: Arc<Core>) -> anyhow::Result
         }
         sessionflow_worker::telemetry::init(sessionflow_worker::telemetry::LogFormat::Text)
     });
-    let worker = sessionflow_worker::start(stage_config(settings), BenchHandler(core)).await?;
+    let handler = BenchHandler {
+        core,
+        echo: settings.output.is_some(),
+    };
+    let worker = sessionflow_worker::start(stage_config(settings), handler).await?;
     let metrics = worker.metrics.clone();
     Ok(Running {
         stop: Box::new(move || {

@@ -48,9 +48,12 @@ impl BuiltinHandler {
         ]) < self.config.transient_rate
     }
 
-    /// Whether the first attempt of this record is a slow one.
+    /// Whether the first attempt of this record is a slow one. Unlike the fault draws, this
+    /// one also depends on the worker process: a call that was slow on one worker (an LLM call
+    /// that outlived a rebalance) is usually quick when the partition's next owner redoes it.
     pub fn is_slow(&self, record: &InputRecord) -> bool {
-        self.draw(&[b"slow", record.event_id.as_bytes()]) < self.config.slow_rate
+        let process = std::process::id().to_le_bytes();
+        self.draw(&[b"slow", record.event_id.as_bytes(), &process]) < self.config.slow_rate
     }
 
     pub async fn handle(&self, record: &InputRecord, attempt: u32) -> HandlerResult {
