@@ -523,36 +523,37 @@ impl IntakeContext {
 }
 
 /// Waits (releasing nothing) until the given partitions have nothing unreleased, or `deadline`.
-/// The loop is draining, not wedged: it keeps its liveness heartbeat.
 fn drain<'a>(
-    mut book: MutexGuard<'a, Book>,
+    book: MutexGuard<'a, Book>,
     partitions: &[Partition],
     deadline: Instant,
     ctx: &IntakeContext,
 ) -> MutexGuard<'a, Book> {
-    loop {
-        ctx.health.beat();
-        book.apply_ready(&ctx.metrics);
-        if book.unreleased(partitions) == 0 || Instant::now() >= deadline {
-            return book;
-        }
-        if let Ok(c) = book.completions.recv_timeout(DRAIN_CHECK) {
-            book.apply(c, &ctx.metrics);
-        }
-    }
+    wait_until(book, deadline, ctx, |book| book.unreleased(partitions) == 0)
 }
 
 /// Waits until no result of `leases` is on its way to the broker any more, or `deadline`.
 fn drain_writes<'a>(
-    mut book: MutexGuard<'a, Book>,
+    book: MutexGuard<'a, Book>,
     leases: &[Arc<Lease>],
     deadline: Instant,
     ctx: &IntakeContext,
 ) -> MutexGuard<'a, Book> {
+    wait_until(book, deadline, ctx, |_| Book::writes_in_flight(leases) == 0)
+}
+
+/// Applies completions as they come until `done` or `deadline`. The loop is draining, not
+/// wedged: it keeps its liveness heartbeat.
+fn wait_until<'a>(
+    mut book: MutexGuard<'a, Book>,
+    deadline: Instant,
+    ctx: &IntakeContext,
+    done: impl Fn(&Book) -> bool,
+) -> MutexGuard<'a, Book> {
     loop {
         ctx.health.beat();
         book.apply_ready(&ctx.metrics);
-        if Book::writes_in_flight(leases) == 0 || Instant::now() >= deadline {
+        if done(&book) || Instant::now() >= deadline {
             return book;
         }
         if let Ok(c) = book.completions.recv_timeout(DRAIN_CHECK) {
