@@ -267,7 +267,8 @@ pub struct StageSpec {
     #[schemars(range(min = 1))]
     pub commit_interval_ms: Option<u64>,
     /// Overrides `spec.shutdownTimeoutMs`. The pods' `terminationGracePeriodSeconds` follows it:
-    /// shutdown timeout + 3 × drain timeout + 40 s (commits, the worker's close, slack).
+    /// shutdown timeout + 3 × drain timeout + 50 s (the shutdown fence, commits, the worker's
+    /// close, slack).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub shutdown_timeout_ms: Option<u64>,

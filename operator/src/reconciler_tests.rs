@@ -193,7 +193,7 @@ async fn first_reconcile_creates_config_map_deployment_and_service_per_stage() {
     assert_eq!(container["livenessProbe"]["failureThreshold"], 3);
     // Worker defaults: a 25 s revocation + 20 s shutdown + 10 s writes + 5 s final commit
     // + 20 s close + 10 s slack.
-    assert_eq!(pod["spec"]["terminationGracePeriodSeconds"], 90);
+    assert_eq!(pod["spec"]["terminationGracePeriodSeconds"], 100);
     assert_eq!(container["securityContext"]["readOnlyRootFilesystem"], true);
     assert_eq!(pod["spec"]["securityContext"]["runAsNonRoot"], true);
 
@@ -439,10 +439,10 @@ async fn impossible_timeouts_keep_the_running_workers_and_fixing_them_rolls_the_
         let dep = server
             .expect(Method::PATCH, &format!("{DEP}/chat-nlu"), echo)
             .await;
-        // ⌈(3 × 27 499 + 20 000) / 1000⌉ + 10 s commits + 20 s close + 10 s slack.
+        // ⌈(3 × 27 499 + 20 000) / 1000⌉ + 10 s fence + 10 s commits + 20 s close + 10 s slack.
         assert_eq!(
             dep.body["spec"]["template"]["spec"]["terminationGracePeriodSeconds"],
-            103 + 40
+            103 + 50
         );
         // The llm stage's ConfigMap changes too (the pipeline-wide property), nothing else.
         server

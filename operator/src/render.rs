@@ -643,8 +643,8 @@ mod tests {
             grace * 1000 > worker_ms as i64,
             "grace {grace}s ≤ worker {worker_ms}ms"
         );
-        // 25 s revocation + 20 s shutdown + 10 s writes + 5 s commit + 20 s close + 10 s slack.
-        assert_eq!(grace, 90);
+        // 25 s revocation + 20 s shutdown + 20 s fence + 5 s commit + 20 s close + 10 s slack.
+        assert_eq!(grace, 100);
         // What the ConfigMap holds is what the worker parses.
         let yaml = &plans[1].config_map.data.as_ref().unwrap()["stage.yaml"];
         let parsed = StageConfig::from_yaml(yaml).unwrap();
@@ -743,9 +743,9 @@ mod tests {
         sp.spec.stages[1].shutdown_timeout_ms = Some(1_500);
         let plans = plan(&sp, &defaults()).unwrap();
         let grace = |p: &StagePlan| pod(p).termination_grace_period_seconds.unwrap();
-        // shutdown + 3 × drain + 2 × 5 s commits + 2 × 10 s close + 10 s slack.
-        assert_eq!(grace(&plans[0]), 120 + 30 + 40);
-        assert_eq!(grace(&plans[1]), 2 + 135 + 40, "rounded up");
+        // shutdown + 3 × drain + 10 s fence + 2 × 5 s commits + 2 × 10 s close + 10 s slack.
+        assert_eq!(grace(&plans[0]), 120 + 30 + 50);
+        assert_eq!(grace(&plans[1]), 2 + 135 + 50, "rounded up");
         let liveness = container(&plans[1]).liveness_probe.as_ref().unwrap();
         assert_eq!(
             liveness.http_get.as_ref().unwrap().path.as_deref(),

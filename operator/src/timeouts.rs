@@ -40,6 +40,7 @@ use std::ops::RangeInclusive;
 
 pub use sessionflow_worker::config::{
     DEFAULT_MAX_POLL_INTERVAL_MS, DEFAULT_SESSION_TIMEOUT_MS, REVOCATION_COMMIT_ALLOWANCE_MS,
+    SHUTDOWN_FENCE_EXTRA_MS,
 };
 
 /// `/healthz` turns 503 when the consumer loop has not turned for this long.
@@ -208,12 +209,13 @@ pub fn max_drain_ms(max_poll_interval_ms: u64) -> Option<u64> {
 
 /// Longest a worker takes from SIGTERM to exit when every deadline is reached: a revocation
 /// under way (or served by the shutdown drain), the shutdown drain, the wait for results on
-/// their way (up to `drainTimeoutMs`), the final commit, then the two close graces. `None`
-/// past `u64`.
+/// their way (the shutdown fence: `drainTimeoutMs` + [`SHUTDOWN_FENCE_EXTRA_MS`]), the final
+/// commit, then the two close graces. `None` past `u64`.
 pub fn worst_shutdown_ms(drain_ms: u64, shutdown_ms: u64) -> Option<u64> {
     revocation_ms(drain_ms)?
         .checked_add(shutdown_ms)?
         .checked_add(drain_ms)?
+        .checked_add(SHUTDOWN_FENCE_EXTRA_MS)?
         .checked_add(REVOCATION_COMMIT_ALLOWANCE_MS)?
         .checked_add(2 * CLOSE_GRACE_MS)
 }
@@ -297,9 +299,9 @@ mod tests {
     }
 
     #[test]
-    fn the_worker_defaults_work_with_ninety_seconds_of_grace() {
+    fn the_worker_defaults_work_with_a_hundred_seconds_of_grace() {
         // drainTimeoutMs 10 s, shutdownTimeoutMs 20 s, librdkafka's 300 s poll interval and 45 s
-        // session timeout: 25 s revocation + 20 s + 10 s writes + 5 s commit + 20 s close + 10 s.
+        // session timeout: 25 s revocation + 20 s + 20 s fence + 5 s commit + 20 s close + 10 s.
         let defaults = Timeouts {
             drain_ms: 10_000,
             shutdown_ms: 20_000,
@@ -308,7 +310,7 @@ mod tests {
         };
         assert_eq!(
             check(defaults).unwrap().termination_grace_period_seconds,
-            90
+            100
         );
     }
 
@@ -382,10 +384,13 @@ mod tests {
     #[test]
     fn a_long_shutdown_gets_a_long_grace_period_until_none_can_hold_it() {
         let budget = check(t(10_000, 3_600_000, None)).unwrap();
-        assert_eq!(budget.termination_grace_period_seconds, 3_600 + 70);
+        assert_eq!(budget.termination_grace_period_seconds, 3_600 + 80);
         // Rounded up, never down.
         let budget = check(t(1, 1, None)).unwrap();
-        assert_eq!(budget.termination_grace_period_seconds, 5 + 5 + 20 + 10 + 1);
+        assert_eq!(
+            budget.termination_grace_period_seconds,
+            5 + 5 + 10 + 20 + 10 + 1
+        );
         let refusal = check(t(10_000, u64::MAX, None)).unwrap_err();
         assert_eq!(refusal.setting(), Setting::ShutdownTimeout);
         assert!(refusal.message(false).starts_with(&format!(
@@ -442,7 +447,8 @@ mod tests {
             let poll = max_poll.unwrap_or(DEFAULT_MAX_POLL_INTERVAL_MS) as u128;
             let session_ms = session.unwrap_or(DEFAULT_SESSION_TIMEOUT_MS) as u128;
             let (d, s) = (drain as u128, shutdown as u128);
-            let needed = 3 * d + s + 2 * REVOCATION_COMMIT_ALLOWANCE_MS as u128
+            let needed = 3 * d + s + SHUTDOWN_FENCE_EXTRA_MS as u128
+                + 2 * REVOCATION_COMMIT_ALLOWANCE_MS as u128
                 + 2 * CLOSE_GRACE_MS as u128 + GRACE_SLACK_MS as u128;
             let fits = needed <= u64::MAX as u128;
             let result = check(Timeouts {

@@ -401,9 +401,13 @@ pub fn order_violations(metrics: &sessionflow_worker::metrics::Metrics) -> u64 {
         .sum()
 }
 
-/// The worker binary built next to the test binary.
+/// The worker binary built next to the test binary, or the one `SESSIONFLOW_WORKER_BIN` names
+/// (to run the process tests against another build, e.g. an older commit's).
 pub fn worker_binary() -> PathBuf {
-    workspace_binary("sessionflow-worker")
+    match std::env::var_os("SESSIONFLOW_WORKER_BIN") {
+        Some(bin) => PathBuf::from(bin),
+        None => workspace_binary("sessionflow-worker"),
+    }
 }
 
 /// A binary of the workspace, built next to the test binary.
@@ -434,6 +438,18 @@ impl WorkerProcess {
 
     /// Like [`spawn`](Self::spawn), with extra arguments and stderr sent to `stderr`.
     pub fn spawn_logging(yaml: &str, args: &[&str], stderr: std::process::Stdio) -> Self {
+        // SESSIONFLOW_WORKER_LOG=info (or debug) shows more of the workers while debugging.
+        let level = std::env::var("SESSIONFLOW_WORKER_LOG").unwrap_or_else(|_| "warn".into());
+        Self::spawn_logging_at(yaml, args, stderr, &level)
+    }
+
+    /// Like [`spawn_logging`](Self::spawn_logging), logging at `level` (`RUST_LOG`).
+    pub fn spawn_logging_at(
+        yaml: &str,
+        args: &[&str],
+        stderr: std::process::Stdio,
+        level: &str,
+    ) -> Self {
         let config = TempFile::with_text("sessionflow-config", ".yaml", yaml);
         let child = std::process::Command::new(worker_binary())
             .args(args)
@@ -442,7 +458,7 @@ impl WorkerProcess {
             // The config names its cluster (nisshi or a test's mock); `--brokers` would
             // otherwise come from this variable and override it.
             .env_remove("SESSIONFLOW_BROKERS")
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", level)
             .stdout(std::process::Stdio::null())
             .stderr(stderr)
             .spawn()
@@ -690,4 +706,67 @@ pub fn verify_on(brokers: &str, topics: &Topics) -> sessionflow_worker::verify::
         timeout: Duration::from_secs(60),
     })
     .expect("verify")
+}
+
+/// librdkafka's mock cluster, as the tests host it.
+pub type MockCluster =
+    rdkafka::mocking::MockCluster<'static, rdkafka::producer::DefaultProducerContext>;
+
+/// librdkafka's mock cluster with the topics of one test: the second real Kafka
+/// implementation of these tests (TESTING.md), for what nisshi cannot do — commit metadata,
+/// and faults injected per API (request errors, brokers down, round-trip delays, coordinator
+/// moves). Worker processes reach it over loopback like any cluster. It must outlive the
+/// test's workers.
+pub struct MockKafka {
+    pub cluster: MockCluster,
+    /// Its bootstrap servers.
+    pub brokers: String,
+    pub topics: Topics,
+}
+
+impl MockKafka {
+    /// `brokers` brokers; input and output with `partitions` partitions, a one-partition DLQ,
+    /// all replicated on up to three brokers. The admin API's CreateTopics does not work on the
+    /// mock, so topics are made through it directly.
+    pub fn new(name: &str, brokers: i32, partitions: i32) -> Self {
+        init_telemetry();
+        let cluster = rdkafka::mocking::MockCluster::new(brokers).expect("mock cluster");
+        let topics = Topics {
+            input: unique(&format!("{name}-in")),
+            output: unique(&format!("{name}-out")),
+            dlq: unique(&format!("{name}-dlq")),
+            group: unique(&format!("{name}-group")),
+        };
+        let replication = brokers.min(3);
+        for t in [&topics.input, &topics.output] {
+            cluster
+                .create_topic(t, partitions, replication)
+                .expect("create topic");
+        }
+        cluster
+            .create_topic(&topics.dlq, 1, replication)
+            .expect("create topic");
+        Self {
+            brokers: cluster.bootstrap_servers(),
+            cluster,
+            topics,
+        }
+    }
+
+    /// A config file for the worker binary on this cluster (see [`Topics::stage_yaml_on`]).
+    pub fn stage_yaml(&self, builtin: &str, extra: &str) -> String {
+        self.topics.stage_yaml_on(&self.brokers, builtin, extra)
+    }
+
+    /// Records in the output topic.
+    pub fn output_count(&self) -> u64 {
+        end_offsets_on(&self.brokers, &self.topics.output)
+            .iter()
+            .sum::<i64>() as u64
+    }
+
+    /// `verify` over this cluster's topics.
+    pub fn verify(&self) -> sessionflow_worker::verify::VerifyReport {
+        verify_on(&self.brokers, &self.topics)
+    }
 }

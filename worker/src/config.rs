@@ -315,6 +315,11 @@ pub const DEFAULT_MAX_POLL_INTERVAL_MS: u64 = 300_000;
 pub const DEFAULT_SESSION_TIMEOUT_MS: u64 = 45_000;
 /// What a revocation allows for its synchronous commit, on top of its two drain deadlines.
 pub const REVOCATION_COMMIT_ALLOWANCE_MS: u64 = 5_000;
+/// At shutdown, how much longer than `rebalance.drainTimeoutMs` the worker waits for results
+/// already on their way to the broker before it gives them up. A produce retried through a
+/// broker restart or a burst of refusals takes seconds, and the worker must not leave the
+/// group with it still out: it could land after the next owner's results.
+pub const SHUTDOWN_FENCE_EXTRA_MS: u64 = 10_000;
 
 mod defaults {
     use std::net::SocketAddr;
@@ -588,6 +593,15 @@ impl StageConfig {
             .saturating_sub(REVOCATION_COMMIT_ALLOWANCE_MS)
             .saturating_sub(1_000)
             .max(drain)
+    }
+
+    /// How long shutdown waits, once sessions have stopped, for results already on their way
+    /// (see [`SHUTDOWN_FENCE_EXTRA_MS`]). It serves the consumer meanwhile, so the poll budget
+    /// does not bound it; the pod's grace period, which the operator derives, does.
+    pub fn shutdown_fence_ms(&self) -> u64 {
+        self.rebalance
+            .drain_timeout_ms
+            .saturating_add(SHUTDOWN_FENCE_EXTRA_MS)
     }
 
     /// Adds SASL credentials found in the environment ([`SASL_USERNAME_ENV`],

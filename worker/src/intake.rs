@@ -63,6 +63,8 @@ const HOLD_TICK: Duration = Duration::from_millis(1);
 const BURST: usize = 256;
 /// How often a drain (revocation, shutdown) checks for completions.
 const DRAIN_CHECK: Duration = Duration::from_millis(50);
+/// How long shutdown waits for the answers of the deliveries it purged.
+const PURGE_ANSWERS: Duration = Duration::from_secs(2);
 /// How long a refused final commit is tried again (a rebalance under way at shutdown).
 const FINAL_COMMIT_RETRIES: Duration = Duration::from_secs(5);
 /// Commit intervals a commit may go unanswered before its partitions count as failing.
@@ -84,6 +86,9 @@ pub struct IntakeSettings {
     pub write_fence_timeout: Duration,
     /// Longest wait for in-flight records at shutdown.
     pub shutdown_timeout: Duration,
+    /// After that, longest wait for the results already on their way to the broker, before
+    /// they are given up (purged) and the worker leaves the group.
+    pub shutdown_fence_timeout: Duration,
     /// At shutdown, also process the records queued behind each session's current one
     /// (otherwise they are released to the partition's next owner).
     pub shutdown_drain_queued: bool,
@@ -175,6 +180,10 @@ impl Book {
             .filter_map(|p| self.partitions.get(p))
             .map(|s| s.unreleased)
             .sum()
+    }
+
+    fn unreleased_total(&self) -> usize {
+        self.partitions.values().map(|s| s.unreleased).sum()
     }
 
     /// Releases (without completing) every parked record of `partition`.
@@ -1036,61 +1045,14 @@ impl IntakeLoop {
             }
         }
         let deadline = Instant::now() + ctx.settings.shutdown_timeout;
-        let mut last_commit = Instant::now();
-        loop {
-            ctx.health.beat();
-            let unfinished = {
-                let mut book = ctx.book();
-                book.apply_ready(&ctx.metrics);
-                let ps: Vec<Partition> = book.partitions.keys().copied().collect();
-                let unfinished = book.unreleased(&ps);
-                if unfinished > 0 {
-                    if let Ok(c) = book.completions.recv_timeout(DRAIN_CHECK) {
-                        book.apply(c, &ctx.metrics);
-                    }
-                }
-                unfinished
-            };
-            if unfinished == 0 {
-                break;
-            }
-            if Instant::now() >= deadline {
-                tracing::warn!(
-                    unfinished,
-                    "shutdown deadline passed; unfinished records will be replayed"
-                );
-                break;
-            }
-            // Keep the membership and the commits going: rebalances and max.poll.interval.ms
-            // need the consumer served.
-            self.serve_events_only();
-            self.take_commit_answers();
-            if last_commit.elapsed() >= ctx.settings.commit_interval {
-                self.commit_in_background(true);
-                last_commit = Instant::now();
-            }
+        if !self.serve_until(deadline, |book| book.unreleased_total() == 0) {
+            tracing::warn!(
+                unfinished = ctx.book().unreleased_total(),
+                "shutdown deadline passed; unfinished records will be replayed"
+            );
         }
         self.tokens.abort.cancel();
-        let leases: Vec<Arc<Lease>> = ctx
-            .book()
-            .partitions
-            .values()
-            .map(|s| s.lease.clone())
-            .collect();
-        // Nothing is written after the final commit: the next owner redoes what was not done.
-        leases.iter().for_each(|l| l.revoke());
-        let book = drain_writes(
-            ctx.book(),
-            &leases,
-            Instant::now() + ctx.settings.revoke_drain_timeout,
-            ctx,
-        );
-        drop(book);
-        let late = Book::writes_in_flight(&leases);
-        if late > 0 {
-            ctx.metrics.late_writes.inc_by(late);
-            tracing::error!(late, "results still unacknowledged at shutdown");
-        }
+        self.fence_before_leaving();
         let last = self.committer.borrow_mut().finish();
         if let Some(a) = last {
             ctx.book()
@@ -1138,6 +1100,78 @@ impl IntakeLoop {
                 self.serve_events_only();
                 std::thread::sleep(DRAIN_CHECK / 5);
             }
+        }
+    }
+
+    /// Keeps the group served — its events (rebalances), commit answers, commits of progress
+    /// every interval, the liveness heartbeat — while completions come in, until `done` or
+    /// `deadline`. Returns whether `done` was reached. Shutdown waits this way: a member that
+    /// stops polling for `max.poll.interval.ms` is dropped from the group, and its commits then
+    /// fail.
+    fn serve_until(&self, deadline: Instant, done: impl Fn(&Book) -> bool) -> bool {
+        let ctx = self.ctx();
+        let mut last_commit = Instant::now();
+        loop {
+            ctx.health.beat();
+            {
+                let mut book = ctx.book();
+                book.apply_ready(&ctx.metrics);
+                if done(&book) {
+                    return true;
+                }
+                if Instant::now() >= deadline {
+                    return false;
+                }
+                if let Ok(c) = book.completions.recv_timeout(DRAIN_CHECK) {
+                    book.apply(c, &ctx.metrics);
+                }
+            }
+            self.serve_events_only();
+            self.take_commit_answers();
+            if last_commit.elapsed() >= ctx.settings.commit_interval {
+                self.commit_in_background(true);
+                last_commit = Instant::now();
+            }
+        }
+    }
+
+    /// The write fence of a shutdown, kept while this worker is still a member of the group.
+    /// Once it leaves, the next owner redoes what was not done; a result of this worker landing
+    /// after that would end a session on an older record. So: no new write (the leases are
+    /// revoked), wait — serving the group — for the results on their way, and give up (purge
+    /// from the producer, which then never sends them) what is still out at the deadline.
+    fn fence_before_leaving(&self) {
+        let ctx = self.ctx();
+        let leases: Vec<Arc<Lease>> = ctx
+            .book()
+            .partitions
+            .values()
+            .map(|s| s.lease.clone())
+            .collect();
+        leases.iter().for_each(|l| l.revoke());
+        let fence = Instant::now() + ctx.settings.shutdown_fence_timeout;
+        if self.serve_until(fence, |_| Book::writes_in_flight(&leases) == 0) {
+            return;
+        }
+        let out = Book::writes_in_flight(&leases);
+        self.producer.purge();
+        tracing::warn!(
+            out,
+            "results still unacknowledged at the shutdown fence: given up before leaving the \
+             group (their records are replayed by the next owner)"
+        );
+        // The purge answers every delivery at once; the writers then drop their permits.
+        self.serve_until(Instant::now() + PURGE_ANSWERS, |_| {
+            Book::writes_in_flight(&leases) == 0
+        });
+        let late = Book::writes_in_flight(&leases);
+        if late > 0 {
+            ctx.metrics.late_writes.inc_by(late);
+            tracing::error!(
+                late,
+                "results still unacknowledged after the purge; they may land after the next \
+                 owner's"
+            );
         }
     }
 

@@ -20,7 +20,7 @@ use rdkafka::client::ClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::OwnedHeaders;
-use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer, PurgeConfig};
 use tokio_util::sync::CancellationToken;
 
 use crate::completion::{Completion, CompletionSender};
@@ -95,6 +95,18 @@ pub enum WriteError {
     NotAcknowledged(KafkaError),
     #[error("the producer was dropped before acknowledging")]
     Dropped,
+}
+
+impl WriteError {
+    /// Given up by this worker ([`StageProducer::purge`]), not refused by the broker.
+    pub fn is_purged(&self) -> bool {
+        matches!(
+            self,
+            Self::NotAcknowledged(KafkaError::MessageProduction(
+                RDKafkaErrorCode::PurgeQueue | RDKafkaErrorCode::PurgeInflight
+            ))
+        )
+    }
 }
 
 /// The producer settings the guarantees rely on, then the user's extra properties.
@@ -250,6 +262,16 @@ impl StageProducer {
     /// the partition's next owner) because its offset is never committed.
     pub fn release(&self, record: &InputRecord) {
         let _ = self.inner.completions.send(Completion::released(record));
+    }
+
+    /// Gives up every write not yet acknowledged: librdkafka drops what it has queued or is
+    /// retrying (it never sends it) and answers each delivery as purged at once. A request
+    /// already on the wire may still be stored by the broker. For a stop, when nothing of
+    /// this worker may land once it has left the group.
+    pub fn purge(&self) {
+        self.inner
+            .producer
+            .purge(PurgeConfig::default().queue().inflight());
     }
 
     /// Flushes what is still queued in the client.

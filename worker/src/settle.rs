@@ -49,7 +49,8 @@ pub enum Outcome {
 pub enum Settled {
     /// Its result is acknowledged; the record is completed.
     Done,
-    /// Not written (its partition moved, or shutdown aborted it); the record is released.
+    /// Not written (its partition moved, or shutdown aborted or gave it up); the record is
+    /// released.
     Released,
 }
 
@@ -99,6 +100,10 @@ impl Settler<'_> {
                 Outcome::Output(Some(payload)) => {
                     match self.producer.write_output(record, payload, &permit).await {
                         Ok(()) => Ok(()),
+                        Err(e) if e.is_purged() => {
+                            self.producer.release(record);
+                            return Settled::Released;
+                        }
                         Err(e) => {
                             // After librdkafka's retries: this output will not land. Nothing
                             // of the session's next record exists yet, so the DLQ comes first.
@@ -135,6 +140,10 @@ impl Settler<'_> {
                 Ok(()) => {
                     self.producer.complete(record);
                     return Settled::Done;
+                }
+                Err(e) if e.is_purged() => {
+                    self.producer.release(record);
+                    return Settled::Released;
                 }
                 Err(e) => {
                     refusals += 1;

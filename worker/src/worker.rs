@@ -152,6 +152,7 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         revoke_drain_timeout: Duration::from_millis(config.rebalance.drain_timeout_ms),
         write_fence_timeout: Duration::from_millis(config.write_fence_ms()),
         shutdown_timeout: Duration::from_millis(config.shutdown_timeout_ms),
+        shutdown_fence_timeout: Duration::from_millis(config.shutdown_fence_ms()),
         shutdown_drain_queued: config.shutdown_drain_queued,
     };
     let assigned = Assigned::default();

@@ -9,10 +9,9 @@
 
 use std::time::Duration;
 
-use rdkafka::mocking::MockCluster;
 use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 use sessionflow_tests::{
-    end_offsets_on, init_telemetry, unique, verify_on, wait_committed_to_end_on, wait_until,
+    end_offsets_on, verify_on, wait_committed_to_end_on, wait_until, MockCluster, MockKafka,
     Topics, WorkerProcess,
 };
 use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
@@ -21,24 +20,14 @@ const PARTITIONS: i32 = 4;
 const CAP: u64 = 100;
 const RECORDS: u64 = 10_000;
 
-type Cluster = MockCluster<'static, rdkafka::producer::DefaultProducerContext>;
-
 /// A one-broker mock cluster with input and output of `partitions` partitions and a DLQ. It
 /// must outlive the test's workers.
-fn mock_cluster(name: &str, partitions: i32) -> (Cluster, String, Topics) {
-    init_telemetry();
-    let cluster = MockCluster::new(1).expect("mock cluster");
-    let brokers = cluster.bootstrap_servers();
-    let topics = Topics {
-        input: unique(&format!("{name}-in")),
-        output: unique(&format!("{name}-out")),
-        dlq: unique(&format!("{name}-dlq")),
-        group: unique(&format!("{name}-group")),
-    };
-    for t in [&topics.input, &topics.output] {
-        cluster.create_topic(t, partitions, 1).unwrap();
-    }
-    cluster.create_topic(&topics.dlq, 1, 1).unwrap();
+fn mock_cluster(name: &str, partitions: i32) -> (MockCluster, String, Topics) {
+    let MockKafka {
+        cluster,
+        brokers,
+        topics,
+    } = MockKafka::new(name, 1, partitions);
     (cluster, brokers, topics)
 }
 
@@ -149,6 +138,47 @@ async fn a_partition_that_comes_back_during_slow_acks_then_a_kill_loses_nothing(
     let report = verify_on(&brokers, &topics);
     eprintln!("slow acks, partition back to the same worker, kill -9:\n{report}");
     assert_eq!(report.lost, 0, "{report}");
+    assert!(report.is_ok(), "{report}");
+    assert_eq!(report.records - report.duplicates, records, "{report}");
+}
+
+/// A final commit that fails for good is a failure of the run (issue 10, item 10): the
+/// coordinator refuses every OffsetCommit when the worker is told to stop, so its last
+/// progress cannot be committed; it must say so — exit non-zero, not "final watermarks
+/// committed" and 0 — and lose nothing: the next worker replays from the last confirmed commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_final_commit_that_fails_for_good_exits_non_zero_and_loses_nothing() {
+    let (cluster, brokers, topics) = mock_cluster("final-fails", 2);
+    let records = 2_000;
+    let opts = LoadgenOptions {
+        choice: SessionChoice::RoundRobin,
+        ..LoadgenOptions::new(&brokers, &topics.input, records, 50)
+    };
+    loadgen::run(&opts).await.expect("loadgen");
+    let outputs = || end_offsets_on(&brokers, &topics.output).iter().sum::<i64>() as u64;
+    let yaml = topics.stage_yaml_on(&brokers, "{latencyMs: 5, seed: 6}", "");
+    let first = WorkerProcess::spawn(&yaml);
+    wait_until(Duration::from_secs(90), || outputs() >= 500)
+        .await
+        .expect("progress");
+    cluster.request_errors(
+        RDKafkaApiKey::OffsetCommit,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_COORDINATOR_NOT_AVAILABLE; 100_000],
+    );
+    let status = first.terminate();
+    assert!(
+        !status.success(),
+        "a stop whose final commit failed must not exit 0, got {status}"
+    );
+    cluster.clear_request_errors(RDKafkaApiKey::OffsetCommit);
+
+    let second = WorkerProcess::spawn(&yaml);
+    wait_committed_to_end_on(&brokers, &topics, Duration::from_secs(180))
+        .await
+        .unwrap_or_else(|(committed, end)| panic!("committed {committed:?} never reached {end:?}"));
+    assert!(second.terminate().success());
+    let report = verify_on(&brokers, &topics);
+    eprintln!("final commit refused, restart:\n{report}");
     assert!(report.is_ok(), "{report}");
     assert_eq!(report.records - report.duplicates, records, "{report}");
 }

@@ -31,12 +31,11 @@ use std::time::Duration;
 
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::mocking::{MockCluster, MockCoordinator};
-use rdkafka::producer::DefaultProducerContext;
+use rdkafka::mocking::MockCoordinator;
 use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 use sessionflow_tests::{
-    assert_replays_within, builtin, init_telemetry, unique, verify_on, wait_committed_to_end_on,
-    wait_until, Gate, RecordingHandler, Topics,
+    assert_replays_within, builtin, verify_on, wait_committed_to_end_on, wait_until, Gate,
+    MockKafka, RecordingHandler, Topics,
 };
 use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
 use sessionflow_worker::record::header;
@@ -53,7 +52,7 @@ const REPLAY_BOUND: u64 = MAX_IN_FLIGHT as u64 * PARTITIONS as u64;
 /// How long the committed offsets get to reach the end offsets once a fault is over.
 const CONVERGE: Duration = Duration::from_secs(60);
 
-type Cluster = MockCluster<'static, DefaultProducerContext>;
+type Cluster = sessionflow_tests::MockCluster;
 
 /// A mock cluster with the topics of one test. It must outlive the test's workers.
 struct MockPipeline {
@@ -63,26 +62,16 @@ struct MockPipeline {
 }
 
 impl MockPipeline {
-    /// `brokers` brokers; input and output with [`PARTITIONS`] partitions, a one-partition
-    /// DLQ, all replicated on up to three brokers. The admin API's CreateTopics does not work
-    /// on the mock, so topics are made through it directly.
+    /// `brokers` brokers; input and output with [`PARTITIONS`] partitions (see [`MockKafka`]).
     fn new(name: &str, brokers: i32) -> Self {
-        init_telemetry();
-        let cluster = MockCluster::new(brokers).expect("mock cluster");
-        let topics = Topics {
-            input: unique(&format!("{name}-in")),
-            output: unique(&format!("{name}-out")),
-            dlq: unique(&format!("{name}-dlq")),
-            group: unique(&format!("{name}-group")),
-        };
-        let replication = brokers.min(3);
-        for t in [&topics.input, &topics.output] {
-            cluster.create_topic(t, PARTITIONS, replication).unwrap();
-        }
-        cluster.create_topic(&topics.dlq, 1, replication).unwrap();
-        Self {
-            brokers: cluster.bootstrap_servers(),
+        let MockKafka {
             cluster,
+            brokers,
+            topics,
+        } = MockKafka::new(name, brokers, PARTITIONS);
+        Self {
+            cluster,
+            brokers,
             topics,
         }
     }
@@ -538,6 +527,69 @@ async fn a_refused_dlq_write_is_written_again() {
         ],
     )
     .await;
+}
+
+/// A DLQ the broker refuses for a while (issue 10, item 4): while a dead letter cannot be
+/// written the worker says so — not ready, `sessionflow_blocked_writes` up, the refusals
+/// counted, and the record reported by the stuck timer — keeps trying, and once the broker
+/// takes writes again the dead letters land (each once), readiness comes back and the group
+/// commits to the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dlq_refused_for_a_while_makes_the_worker_unready_and_reports_the_stuck_record() {
+    let p = MockPipeline::new("dlq-blocked", 1);
+    // 20 sessions: every partition gets some (an empty one would never be committed).
+    p.produce("bad-", 20, 1).await;
+    let mut stage = p.stage();
+    stage.stuck.timeout_ms = 1_000;
+    let handler =
+        RecordingHandler::new(|s, q, _| Err(HandlerError::Poison(format!("cannot parse {s}:{q}"))));
+    // Every Produce request is refused as too large: only dead letters are written here.
+    p.cluster.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE; 10_000],
+    );
+    let worker = sessionflow_worker::start(stage, handler.clone())
+        .await
+        .unwrap();
+    let m = worker.metrics.clone();
+    wait_until(Duration::from_secs(60), || {
+        m.blocked_writes.get() > 0 && m.dlq_write_errors.get() >= 20 && m.stuck_records.get() > 0
+    })
+    .await
+    .unwrap_or_else(|()| {
+        panic!(
+            "blocked {}, dlq write errors {}, stuck {}",
+            m.blocked_writes.get(),
+            m.dlq_write_errors.get(),
+            m.stuck_records.get()
+        )
+    });
+    assert!(
+        !worker.health.is_ready(),
+        "not ready while a dead letter is refused"
+    );
+    assert_eq!(m.dlq.with_label_values(&["poison"]).get(), 0);
+    p.cluster.clear_request_errors(RDKafkaApiKey::Produce);
+    wait_until(Duration::from_secs(60), || {
+        m.blocked_writes.get() == 0 && worker.health.is_ready()
+    })
+    .await
+    .expect("ready again once the dead letters land");
+    let report = p.settle(worker).await;
+    assert_eq!(report.dlq_records, 20, "{report}");
+    let dlq = p.read(&p.topics.dlq);
+    let mut seen: HashMap<(String, u64), usize> = HashMap::new();
+    for d in &dlq {
+        *seen
+            .entry((d.session.clone().unwrap(), d.seq.unwrap()))
+            .or_default() += 1;
+    }
+    assert_eq!(seen.len(), 20, "every poison record dead-lettered");
+    assert!(
+        seen.values().all(|&n| n == 1),
+        "each exactly once: {seen:?}"
+    );
+    handler.assert_in_order();
 }
 
 // ---- commit errors --------------------------------------------------------------------------

@@ -11,7 +11,9 @@
 
 use std::time::Duration;
 
-use sessionflow_tests::{verify_pipeline, wait_until, Topics, WorkerProcess};
+use sessionflow_tests::{
+    verify_pipeline, wait_committed_to_end_on, wait_until, MockKafka, Topics, WorkerProcess,
+};
 use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
 
 /// Short sessions whose first attempts are often 12 × the drain timeout: when a partition
@@ -118,4 +120,84 @@ async fn a_member_frozen_past_its_session_timeout_drops_its_lost_partitions() {
     assert!(report.is_ok(), "{report}");
     assert_eq!(report.records - report.duplicates, 5_000, "{report}");
     topics.delete().await;
+}
+
+/// A worker told to stop while its results are still on their way must not leave the group
+/// with them out (issue 10, item 1; the chaos run of seed 1796107210 ended with 119 sessions
+/// ending stale this way, after a SIGTERM during a burst of refused produces). Once it has
+/// left, the next owner redoes those records and goes on with the sessions; a result of the
+/// old owner landing then ends a session on an older record than one already written.
+///
+/// Here worker `a`'s producer holds every output for 40 s before sending it (`linger.ms`: a
+/// stand-in for a produce that is slow to go out, deterministic where refusals and retries
+/// are not), while worker `b` writes at once. `a` is told to stop with its sessions' results
+/// all still on their way: it must give them up (purged from the producer, never sent) before
+/// it leaves, so that nothing of it lands after `b` took its partitions over — even though its
+/// process then goes on closing down for a while.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_stopped_with_results_on_their_way_gives_them_up_before_leaving() {
+    const SESSIONS: u64 = 40;
+    const PER_SESSION: u64 = 120;
+    let mock = MockKafka::new("stop-lingering", 1, 4);
+    let opts = LoadgenOptions {
+        choice: SessionChoice::RoundRobin,
+        ..LoadgenOptions::new(
+            &mock.brokers,
+            &mock.topics.input,
+            SESSIONS * PER_SESSION,
+            SESSIONS,
+        )
+    };
+    loadgen::run(&opts).await.expect("loadgen");
+    let yaml = mock.stage_yaml(
+        "{latencyMs: 5, seed: 5}",
+        "rebalance: {strategy: cooperative, drainTimeoutMs: 500}\nshutdownTimeoutMs: 2000",
+    );
+    let lingering = yaml.replace("linger.ms: '2'", "linger.ms: '40000'");
+    assert_ne!(lingering, yaml, "the test's linger.ms is in the config");
+    let log = std::env::temp_dir().join(sessionflow_tests::unique("stopped-worker") + ".log");
+    let a = WorkerProcess::spawn_logging_at(
+        &lingering,
+        &[],
+        std::fs::File::create(&log).expect("log file").into(),
+        "info",
+    );
+    let b = WorkerProcess::spawn(&yaml);
+    let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    // Both hold partitions; `b`'s sessions make progress, `a`'s wait for their first results.
+    wait_until(Duration::from_secs(90), || {
+        read_log().contains("partition assigned") && mock.output_count() >= 600
+    })
+    .await
+    .unwrap_or_else(|()| panic!("both workers take partitions; `a` said:\n{}", read_log()));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let stopped = tokio::task::spawn_blocking(move || a.terminate())
+        .await
+        .expect("stop");
+    let said = read_log();
+    let _ = std::fs::remove_file(&log);
+    eprintln!(
+        "the stopped worker said:\n{}",
+        said.lines()
+            .filter(|l| l.contains("sessionflow_worker"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    assert!(
+        stopped.success(),
+        "the stopped worker exits 0, got {stopped}"
+    );
+    wait_committed_to_end_on(&mock.brokers, &mock.topics, Duration::from_secs(180))
+        .await
+        .expect("the remaining worker drains the input");
+    assert!(b.terminate().success());
+    let report = mock.verify();
+    eprintln!("stopped with results on their way:\n{report}");
+    assert_eq!(report.stale_ends, 0, "{report}");
+    assert!(report.is_ok(), "{report}");
+    assert_eq!(
+        report.records - report.duplicates + report.dlq_records,
+        SESSIONS * PER_SESSION,
+        "{report}"
+    );
 }

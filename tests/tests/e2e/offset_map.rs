@@ -10,9 +10,8 @@ use std::time::Duration;
 
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::mocking::MockCluster;
 use rdkafka::{Offset, TopicPartitionList};
-use sessionflow_tests::{builtin, unique, wait_until, Gate, RecordingHandler, Topics};
+use sessionflow_tests::{builtin, wait_until, Gate, MockKafka, RecordingHandler};
 use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
 use sessionflow_worker::offset_map;
 
@@ -32,34 +31,13 @@ fn committed(brokers: &str, group: &str, topic: &str) -> (i64, String) {
     }
 }
 
-/// A mock cluster with one-partition input, output and DLQ topics (the admin API's
-/// CreateTopics is not supported by the mock, so topics are made through it directly). The
-/// cluster must outlive the test's workers.
-fn mock_cluster(
-    name: &str,
-) -> (
-    MockCluster<'static, rdkafka::producer::DefaultProducerContext>,
-    String,
-    Topics,
-) {
-    sessionflow_tests::init_telemetry();
-    let cluster = MockCluster::new(1).unwrap();
-    let brokers = cluster.bootstrap_servers();
-    let topics = Topics {
-        input: unique(&format!("{name}-in")),
-        output: unique(&format!("{name}-out")),
-        dlq: unique(&format!("{name}-dlq")),
-        group: unique(&format!("{name}-group")),
-    };
-    for t in [&topics.input, &topics.output, &topics.dlq] {
-        cluster.create_topic(t, 1, 1).unwrap();
-    }
-    (cluster, brokers, topics)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_skips_what_the_commit_metadata_says_is_done() {
-    let (_cluster, brokers, topics) = mock_cluster("map");
+    let MockKafka {
+        cluster: _cluster,
+        brokers,
+        topics,
+    } = MockKafka::new("map", 1, 1);
     // 10 sessions × 5 records on one partition; session-000000's first record is offset 0.
     let opts = LoadgenOptions {
         choice: SessionChoice::RoundRobin,
@@ -131,7 +109,11 @@ async fn a_restart_skips_what_the_commit_metadata_says_is_done() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_map_too_large_for_metadata_holds_intake_until_it_shrinks() {
-    let (_cluster, brokers, topics) = mock_cluster("overflow");
+    let MockKafka {
+        cluster: _cluster,
+        brokers,
+        topics,
+    } = MockKafka::new("overflow", 1, 1);
     // 30,000 sessions with one record each; every odd-numbered session is held in its handler
     // until the test opens the gate, so finished and unfinished offsets alternate: the map
     // needs ~30,000 runs or a 3,750-byte bitset — more than commit metadata may hold.
