@@ -21,8 +21,9 @@
 //! thread (see `committer`) or, for a revocation's and the shutdown's final commit, by the loop
 //! itself; every answer goes back to the offset tracker, which sends unconfirmed watermarks
 //! again. Shutdown keeps serving the consumer while it drains (rebalances, commit
-//! answers, `max.poll.interval.ms`), commits progress as it goes, and reports a final commit
-//! that failed as a failure of the run.
+//! answers, `max.poll.interval.ms`), commits progress as it goes, keeps its write fence
+//! *before* it leaves the group (results on their way land or are purged first, so none lands
+//! after the next owner's), and reports a final commit that failed as a failure of the run.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
