@@ -182,3 +182,56 @@ async fn a_final_commit_that_fails_for_good_exits_non_zero_and_loses_nothing() {
     assert!(report.is_ok(), "{report}");
     assert_eq!(report.records - report.duplicates, records, "{report}");
 }
+
+/// A stop while the group has gone on without this member (issue 10, item 9): every commit
+/// is refused as `IllegalGeneration` — the member's generation is gone, librdkafka reports
+/// its assignment lost, and the worker drops it without a drain or a commit bound to fail.
+/// That is no failure of the stop (exit 0; the lost partitions are logged), and nothing is
+/// lost: their next owner replays from the last confirmed commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_after_the_group_went_on_without_the_member_exits_0_and_loses_nothing() {
+    let (cluster, brokers, topics) = mock_cluster("final-fenced", 2);
+    let records = 2_000;
+    let opts = LoadgenOptions {
+        choice: SessionChoice::RoundRobin,
+        ..LoadgenOptions::new(&brokers, &topics.input, records, 50)
+    };
+    loadgen::run(&opts).await.expect("loadgen");
+    let outputs = || end_offsets_on(&brokers, &topics.output).iter().sum::<i64>() as u64;
+    let yaml = topics.stage_yaml_on(&brokers, "{latencyMs: 5, seed: 7}", "");
+    let log = std::env::temp_dir().join(sessionflow_tests::unique("fenced-worker") + ".log");
+    let first = WorkerProcess::spawn_logging(
+        &yaml,
+        &[],
+        std::fs::File::create(&log).expect("log file").into(),
+    );
+    wait_until(Duration::from_secs(90), || outputs() >= 500)
+        .await
+        .expect("progress");
+    cluster.request_errors(
+        RDKafkaApiKey::OffsetCommit,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_ILLEGAL_GENERATION; 100_000],
+    );
+    let status = first.terminate();
+    let said = std::fs::read_to_string(&log).unwrap_or_default();
+    let _ = std::fs::remove_file(&log);
+    assert!(
+        status.success(),
+        "a fenced member's stop exits 0, got {status}:\n{said}"
+    );
+    assert!(
+        said.contains("partitions lost"),
+        "the lost partitions are logged:\n{said}"
+    );
+    cluster.clear_request_errors(RDKafkaApiKey::OffsetCommit);
+
+    let second = WorkerProcess::spawn(&yaml);
+    wait_committed_to_end_on(&brokers, &topics, Duration::from_secs(180))
+        .await
+        .unwrap_or_else(|(committed, end)| panic!("committed {committed:?} never reached {end:?}"));
+    assert!(second.terminate().success());
+    let report = verify_on(&brokers, &topics);
+    eprintln!("final commit refused as IllegalGeneration, restart:\n{report}");
+    assert!(report.is_ok(), "{report}");
+    assert_eq!(report.records - report.duplicates, records, "{report}");
+}
