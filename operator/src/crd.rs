@@ -10,8 +10,12 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::ResourceRequirements;
+use k8s_openapi::api::core::v1::{
+    Affinity, Container, EnvFromSource, EnvVar, LocalObjectReference, ResourceRequirements,
+    SecurityContext, Toleration, TopologySpreadConstraint, Volume, VolumeMount,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{CustomResource, CustomResourceExt, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -94,11 +98,26 @@ pub struct SessionPipelineSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub shutdown_timeout_ms: Option<u64>,
+    /// Pod settings of every stage's workers (scheduling, identity, extra env and volumes,
+    /// sidecars); a stage's `template` is merged over it, the stage winning.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker_template: Option<WorkerTemplate>,
+    /// PodDisruptionBudget of every stage that sets none (default: one, `maxUnavailable: 1`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disruption_budget: Option<DisruptionBudgetSpec>,
 }
 
-/// Connection to the Kafka cluster. Credentials come from Secrets only.
+/// Connection to the Kafka cluster. Credentials come from Secrets only, and only from Secrets
+/// labelled `sessionflow.io/credentials: "true"`.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new(
+        "!has(self.sasl) || self.sasl.mechanism != 'PLAIN' || has(self.tls) || (has(self.sasl.allowPlainWithoutTls) && self.sasl.allowPlainWithoutTls)"
+    )
+    .message("SASL PLAIN without TLS sends the password in clear text: add kafka.tls, or set kafka.sasl.allowPlainWithoutTls: true")
+    .field_path(".sasl")
+)]
 pub struct KafkaSpec {
     /// `host:port[,host:port…]`.
     #[schemars(length(min = 1))]
@@ -137,6 +156,10 @@ pub struct SaslSpec {
     pub username_key: String,
     #[serde(default = "defaults::password_key")]
     pub password_key: String,
+    /// PLAIN sends the password as it is: without `kafka.tls` it is refused unless this is
+    /// `true` (a broker on a trusted network, or TLS terminated by a sidecar).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_plain_without_tls: bool,
 }
 
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
@@ -296,6 +319,12 @@ pub struct StageSpec {
     /// OTLP/HTTP traces endpoint of the stage's workers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub otlp_endpoint: Option<String>,
+    /// Pod settings of this stage, merged over `spec.workerTemplate` (this stage wins).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<WorkerTemplate>,
+    /// Overrides `spec.disruptionBudget`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disruption_budget: Option<DisruptionBudgetSpec>,
 }
 
 /// Bounds of a stage's replica count.
@@ -394,6 +423,99 @@ pub struct StageStatus {
     pub last_scale_reason: Option<String>,
 }
 
+/// Pod settings of a stage's workers. What the operator sets itself (the worker container,
+/// its config volume, probes, the non-root baseline) cannot be replaced from here; see
+/// [`crate::pod`] for how a stage's template is merged over the pipeline's and what is refused.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new(
+        "!has(self.securityContext) || ((!has(self.securityContext.runAsNonRoot) || self.securityContext.runAsNonRoot) && (!has(self.securityContext.runAsUser) || self.securityContext.runAsUser != 0))"
+    )
+    .message("securityContext: workers run as non-root (runAsNonRoot cannot be false, runAsUser cannot be 0)")
+    .field_path(".securityContext"),
+    validation = Rule::new(
+        "!has(self.securityContext) || ((!has(self.securityContext.privileged) || !self.securityContext.privileged) && (!has(self.securityContext.allowPrivilegeEscalation) || !self.securityContext.allowPrivilegeEscalation))"
+    )
+    .message("securityContext: privileged containers and privilege escalation are not allowed")
+    .field_path(".securityContext")
+)]
+pub struct WorkerTemplate {
+    /// Extra pod labels (`sessionflow.io/*` and the `app.kubernetes.io/*` labels the operator
+    /// sets are refused).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    /// Extra pod annotations (`sessionflow.io/*` is refused).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub annotations: BTreeMap<String, String>,
+    /// ServiceAccount of the pods. Its token is still not mounted unless a volume asks for it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_account_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub image_pull_secrets: Vec<LocalObjectReference>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_selector: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tolerations: Vec<Toleration>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub affinity: Option<Affinity>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub topology_spread_constraints: Vec<TopologySpreadConstraint>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority_class_name: Option<String>,
+    /// Extra environment variables of the worker container.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<EnvVar>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env_from: Vec<EnvFromSource>,
+    /// Extra pod volumes (the kinds Pod Security `restricted` allows: configMap, secret,
+    /// emptyDir, projected, downwardAPI, persistentVolumeClaim, ephemeral, csi).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<Volume>,
+    /// Extra mounts of the worker container.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volume_mounts: Vec<VolumeMount>,
+    /// Overrides of the worker container's security context, within the non-root baseline
+    /// (Pod Security `restricted`): what would run as root, escalate privileges, add a
+    /// capability other than `NET_BIND_SERVICE` or drop the seccomp profile is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub security_context: Option<SecurityContext>,
+    /// Containers run beside the worker as native sidecars (init containers with
+    /// `restartPolicy: Always`): started before the worker, stopped after it. A handler here
+    /// is reached on `http://localhost:<port>`, and scales with the stage.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sidecars: Vec<Container>,
+}
+
+/// A stage's PodDisruptionBudget, so that a node drain cannot evict the whole stage at once.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new(
+        "!has(self.maxUnavailable) || (type(self.maxUnavailable) == int ? int(self.maxUnavailable) >= 0 : string(self.maxUnavailable).matches('^[0-9]+%$'))"
+    )
+    .message("maxUnavailable must be a number ≥ 0 or a percentage such as \"25%\"")
+    .field_path(".maxUnavailable")
+)]
+pub struct DisruptionBudgetSpec {
+    /// `false`: no PodDisruptionBudget for the stage.
+    #[serde(default = "defaults::enabled")]
+    pub enabled: bool,
+    /// Pods of the stage a voluntary disruption may take down at once (a number or a
+    /// percentage).
+    #[serde(default = "defaults::max_unavailable")]
+    pub max_unavailable: IntOrString,
+}
+
+impl Default for DisruptionBudgetSpec {
+    fn default() -> Self {
+        Self {
+            enabled: defaults::enabled(),
+            max_unavailable: defaults::max_unavailable(),
+        }
+    }
+}
+
 /// The CRD as YAML, as `sessionflow-operator crd` prints it and `crds/` holds it.
 pub fn crd_yaml() -> String {
     let crd = SessionPipeline::crd();
@@ -425,6 +547,12 @@ mod defaults {
     }
     pub fn scale_down_stabilization_secs() -> u32 {
         300
+    }
+    pub fn enabled() -> bool {
+        true
+    }
+    pub fn max_unavailable() -> super::IntOrString {
+        super::IntOrString::Int(1)
     }
 }
 

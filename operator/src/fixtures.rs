@@ -64,6 +64,8 @@ pub fn pipeline(stages: &[&str]) -> SessionPipeline {
             stuck: None,
             commit_interval_ms: None,
             shutdown_timeout_ms: None,
+            worker_template: None,
+            disruption_budget: None,
         },
     );
     sp.metadata = ObjectMeta {
@@ -98,6 +100,8 @@ pub fn stage(name: &str, input: &str, output: Option<&str>) -> StageSpec {
         max_in_flight_per_partition: None,
         lag_interval_ms: None,
         otlp_endpoint: None,
+        template: None,
+        disruption_budget: None,
     }
 }
 
@@ -179,9 +183,14 @@ impl ApiServer {
             (&seen.method, seen.uri.split('?').next().unwrap()),
             (&method, path)
         );
+        let reason = match code {
+            404 => "NotFound",
+            409 => "AlreadyExists",
+            _ => "InternalError",
+        };
         let status = json!({
             "apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
-            "message": "injected failure", "reason": "InternalError", "code": code,
+            "message": "injected failure", "reason": reason, "code": code,
         });
         respond.send_response(
             Response::builder()

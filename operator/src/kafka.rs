@@ -2,7 +2,7 @@
 //! credentials.
 //!
 //! Workers get credentials as environment variables and mounted files; the operator reads the
-//! same Secrets through the API and hands the values to librdkafka directly (`sasl.*`,
+//! same Secrets through the API — only those labelled [`CREDENTIALS_LABEL`]`: "true"` — and hands the values to librdkafka directly (`sasl.*`,
 //! `ssl.*.pem`). Lag is read without joining the stage's group (committed offsets and
 //! watermarks only), so paused, stalled or absent workers do not change what is measured.
 //! Lag readers are kept between autoscaling passes ([`LagReaders`]): a librdkafka client costs
@@ -57,25 +57,85 @@ pub enum CredentialError {
     },
     #[error("secret {secret} has no entry {key:?}")]
     MissingKey { secret: String, key: String },
+    #[error(
+        "secret {secret} is not labelled {CREDENTIALS_LABEL}: \"true\"; the operator reads only \
+         Secrets that opt in (kubectl label secret {secret} {CREDENTIALS_LABEL}=true)"
+    )]
+    NotOptedIn { secret: String },
+    #[error(
+        "SASL PLAIN without TLS sends the password in clear text: add kafka.tls, or set \
+         kafka.sasl.allowPlainWithoutTls: true"
+    )]
+    PlainWithoutTls,
+}
+
+/// The label a Secret must carry (value `"true"`) for the operator to read it. Without it, the
+/// permission to create a SessionPipeline would be a way to make the operator read any Secret
+/// of the namespace and send it to a broker of the creator's choosing.
+pub const CREDENTIALS_LABEL: &str = "sessionflow.io/credentials";
+
+/// The Secrets `kafka` refers to (SASL first, then TLS), read from `namespace`: each must opt
+/// in with [`CREDENTIALS_LABEL`]; SASL PLAIN without TLS is refused unless the spec allows it.
+pub async fn credential_secrets(
+    client: &Client,
+    namespace: &str,
+    kafka: &KafkaSpec,
+) -> Result<Vec<Secret>, CredentialError> {
+    if insecure_plain(kafka) {
+        return Err(CredentialError::PlainWithoutTls);
+    }
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
+    let mut out = Vec::new();
+    let names = [
+        kafka.sasl.as_ref().map(|s| &s.secret_name),
+        kafka.tls.as_ref().map(|t| &t.secret_name),
+    ];
+    for name in names.into_iter().flatten() {
+        let secret = read(&secrets, name).await?;
+        let opted_in = secret
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(CREDENTIALS_LABEL));
+        if opted_in.map(String::as_str) != Some("true") {
+            return Err(CredentialError::NotOptedIn {
+                secret: name.clone(),
+            });
+        }
+        out.push(secret);
+    }
+    Ok(out)
+}
+
+/// SASL PLAIN over a connection without TLS, not explicitly allowed by the spec.
+pub fn insecure_plain(kafka: &KafkaSpec) -> bool {
+    kafka.sasl.as_ref().is_some_and(|s| {
+        s.mechanism == crate::crd::SaslMechanism::Plain
+            && kafka.tls.is_none()
+            && !s.allow_plain_without_tls
+    })
 }
 
 impl Connection {
-    /// Reads the Secrets `kafka` refers to in `namespace` and builds the connection.
+    /// Reads the Secrets `kafka` refers to in `namespace` ([`credential_secrets`]) and builds
+    /// the connection.
     pub async fn resolve(
         client: &Client,
         namespace: &str,
         kafka: &KafkaSpec,
     ) -> Result<Self, CredentialError> {
-        let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
+        let mut secrets = credential_secrets(client, namespace, kafka)
+            .await?
+            .into_iter();
         let mut properties = security_properties(kafka);
         properties.insert("bootstrap.servers".into(), kafka.bootstrap_servers.clone());
         if let Some(sasl) = &kafka.sasl {
-            let secret = read(&secrets, &sasl.secret_name).await?;
+            let secret = secrets.next().expect("one Secret per reference");
             properties.insert("sasl.username".into(), entry(&secret, &sasl.username_key)?);
             properties.insert("sasl.password".into(), entry(&secret, &sasl.password_key)?);
         }
         if let Some(tls) = &kafka.tls {
-            let secret = read(&secrets, &tls.secret_name).await?;
+            let secret = secrets.next().expect("one Secret per reference");
             properties.insert("ssl.ca.pem".into(), entry(&secret, &tls.ca_key)?);
             if let (Some(cert), Some(key)) = (&tls.cert_key, &tls.key_key) {
                 properties.insert("ssl.certificate.pem".into(), entry(&secret, cert)?);

@@ -1,4 +1,5 @@
-//! `sessionflow-operator`: `crd` prints the CustomResourceDefinition; `run` runs the operator.
+//! `sessionflow-operator`: `crd` prints the CustomResourceDefinition; `reference` its field
+//! reference; `render` the objects a SessionPipeline becomes; `run` runs the operator.
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -9,13 +10,15 @@ use std::time::Duration;
 use clap::{Parser, Subcommand, ValueEnum};
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::{watcher, Controller};
 use kube::{Api, Client};
 use sessionflow_operator::crd::{self, SessionPipeline};
 use sessionflow_operator::metrics::Metrics;
 use sessionflow_operator::reconciler::{self, Context};
-use sessionflow_operator::render::{Defaults, MANAGER};
+use sessionflow_operator::render::{self, Defaults, MANAGER};
 use sessionflow_operator::scaler::Scaler;
 use sessionflow_operator::server;
 
@@ -38,7 +41,34 @@ enum Command {
     },
     /// Run the operator against the cluster of the current kubeconfig or service account.
     Run(RunArgs),
+    /// Print, as YAML, every object the operator would apply for a SessionPipeline (no cluster
+    /// needed). Exits 2, naming the field, for a spec the operator would mark InvalidSpec.
+    Render(RenderArgs),
 }
+
+#[derive(clap::Args)]
+struct RenderArgs {
+    /// The SessionPipeline manifest (`-` for standard input).
+    #[arg(short = 'f', long = "file")]
+    file: String,
+    /// Namespace of the objects (default: the manifest's, else `default`).
+    #[arg(long)]
+    namespace: Option<String>,
+    /// Worker image for stages that name none.
+    #[arg(long, env = "SESSIONFLOW_WORKER_IMAGE", default_value = DEFAULT_WORKER_IMAGE)]
+    worker_image: String,
+    /// The workers' log format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Json)]
+    worker_log_format: LogFormat,
+    /// As `run --allowed-images`.
+    #[arg(long, env = "SESSIONFLOW_ALLOWED_IMAGES", value_delimiter = ',')]
+    allowed_images: Vec<String>,
+}
+
+const DEFAULT_WORKER_IMAGE: &str = concat!(
+    "ghcr.io/sessionflow/sessionflow-worker:",
+    env!("CARGO_PKG_VERSION")
+);
 
 #[derive(clap::Args)]
 struct RunArgs {
@@ -46,7 +76,7 @@ struct RunArgs {
     #[arg(long, env = "SESSIONFLOW_NAMESPACE")]
     namespace: Option<String>,
     /// Worker image for pipelines that name none.
-    #[arg(long, env = "SESSIONFLOW_WORKER_IMAGE", default_value = concat!("ghcr.io/sessionflow/sessionflow-worker:", env!("CARGO_PKG_VERSION")))]
+    #[arg(long, env = "SESSIONFLOW_WORKER_IMAGE", default_value = DEFAULT_WORKER_IMAGE)]
     worker_image: String,
     /// Address of /metrics, /healthz and /readyz.
     #[arg(long, env = "SESSIONFLOW_METRICS_ADDR", default_value = "0.0.0.0:8080")]
@@ -60,6 +90,11 @@ struct RunArgs {
     /// The workers' log format.
     #[arg(long, env = "SESSIONFLOW_WORKER_LOG_FORMAT", value_enum, default_value_t = LogFormat::Json)]
     worker_log_format: LogFormat,
+    /// Image prefixes worker pods may run (stage images, the pipeline's workerImage,
+    /// sidecars), comma-separated, e.g. `registry.example.com/sessionflow/,registry.example.com/handlers/`.
+    /// A pipeline naming another image is InvalidSpec. Empty: any image.
+    #[arg(long, env = "SESSIONFLOW_ALLOWED_IMAGES", value_delimiter = ',')]
+    allowed_images: Vec<String>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -93,6 +128,7 @@ fn main() -> ExitCode {
             print!("{text}");
             ExitCode::SUCCESS
         }
+        Command::Render(args) => render(args),
         Command::Run(args) => {
             init_logging(args.log_format);
             let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
@@ -107,6 +143,50 @@ fn main() -> ExitCode {
     }
 }
 
+/// `render`: 0 with the objects on stdout; 2 when the manifest cannot be read or the operator
+/// would refuse it.
+fn render(args: RenderArgs) -> ExitCode {
+    let text = if args.file == "-" {
+        std::io::read_to_string(std::io::stdin())
+    } else {
+        std::fs::read_to_string(&args.file)
+    };
+    let text = match text {
+        Ok(text) => text,
+        Err(error) => {
+            eprintln!("{}: {error}", args.file);
+            return ExitCode::from(2);
+        }
+    };
+    let mut sp: SessionPipeline = match serde_saphyr::from_str(&text) {
+        Ok(sp) => sp,
+        Err(error) => {
+            eprintln!("{}: not a SessionPipeline: {error}", args.file);
+            return ExitCode::from(2);
+        }
+    };
+    if let Some(ns) = args.namespace {
+        sp.metadata.namespace = Some(ns);
+    } else if sp.metadata.namespace.is_none() {
+        sp.metadata.namespace = Some("default".into());
+    }
+    let defaults = Defaults {
+        worker_image: args.worker_image,
+        log_format: args.worker_log_format.as_str().into(),
+        allowed_images: args.allowed_images,
+    };
+    match render::manifests(&sp, &defaults) {
+        Ok(yaml) => {
+            print!("{yaml}");
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            eprintln!("{}: invalid spec: {error}", args.file);
+            ExitCode::from(2)
+        }
+    }
+}
+
 fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| "info,kube=warn".into());
@@ -117,6 +197,32 @@ fn init_logging(format: LogFormat) {
     }
 }
 
+/// Watches what the reconciler creates (only objects labelled as the operator's), so an
+/// edited or deleted child triggers a reconcile that repairs it.
+fn owns_children(
+    controller: Controller<SessionPipeline>,
+    client: &Client,
+    namespace: Option<&str>,
+) -> Controller<SessionPipeline> {
+    fn api<K>(client: &Client, namespace: Option<&str>) -> Api<K>
+    where
+        K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+        K::DynamicType: Default,
+    {
+        match namespace {
+            Some(ns) => Api::namespaced(client.clone(), ns),
+            None => Api::all(client.clone()),
+        }
+    }
+    let ours =
+        || watcher::Config::default().labels(&format!("app.kubernetes.io/managed-by={MANAGER}"));
+    controller
+        .owns(api::<Deployment>(client, namespace), ours())
+        .owns(api::<ConfigMap>(client, namespace), ours())
+        .owns(api::<Service>(client, namespace), ours())
+        .owns(api::<PodDisruptionBudget>(client, namespace), ours())
+}
+
 async fn run(args: RunArgs) -> anyhow::Result<()> {
     let client = Client::try_default().await?;
     let metrics = Metrics::new();
@@ -124,12 +230,9 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let (addr, _server) = server::serve(args.metrics_addr, metrics.clone(), ready.clone()).await?;
     tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
 
-    let (pipelines, deployments) = match &args.namespace {
-        Some(ns) => (
-            Api::<SessionPipeline>::namespaced(client.clone(), ns),
-            Api::<Deployment>::namespaced(client.clone(), ns),
-        ),
-        None => (Api::all(client.clone()), Api::all(client.clone())),
+    let pipelines = match &args.namespace {
+        Some(ns) => Api::<SessionPipeline>::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
     };
     let reporter = Reporter {
         controller: MANAGER.into(),
@@ -138,6 +241,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let defaults = Defaults {
         worker_image: args.worker_image,
         log_format: args.worker_log_format.as_str().into(),
+        allowed_images: args.allowed_images,
     };
     let ctx = Arc::new(Context::new(
         client.clone(),
@@ -145,9 +249,10 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         metrics.clone(),
         reporter.clone(),
     ));
-    let controller = Controller::new(pipelines, watcher::Config::default()).owns(
-        deployments,
-        watcher::Config::default().labels(&format!("app.kubernetes.io/managed-by={MANAGER}")),
+    let controller = owns_children(
+        Controller::new(pipelines, watcher::Config::default()),
+        &client,
+        args.namespace.as_deref(),
     );
     let store = controller.store();
     let scaler = Scaler::new(

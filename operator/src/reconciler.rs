@@ -2,11 +2,16 @@
 //! and reports how that went in the resource's conditions.
 //!
 //! One pass: render (a bad spec stops here, as `Degraded` with the field named); list the
-//! pipeline's ConfigMaps, Deployments and Services by label; apply with server-side apply only
-//! the objects whose rendered hash differs from what the cluster holds (so a pass with nothing
-//! to change writes nothing); delete the objects of stages no longer in the spec; create
-//! missing topics when asked; then write `observedGeneration`, the conditions and `stagesReady`
-//! if they changed. Deployment replicas are not touched here: [`crate::scaler`] owns them.
+//! pipeline's ConfigMaps, Deployments, Services, PodDisruptionBudgets and Pods by label; apply
+//! with server-side apply the objects that are missing, whose rendered hash changed, or whose
+//! live fields drifted from the rendered ones (so a pass with nothing to change writes
+//! nothing, and an edited or deleted child is repaired on the next pass); leave alone, and
+//! report as `Degraded`/`NameConflict`, an object of a wanted name the pipeline does not
+//! control; delete the objects of stages no longer in the spec (and the budgets of stages
+//! that turned theirs off); create missing topics when asked; then write the conditions,
+//! `stagesReady` and — for a pass without a problem — `observedGeneration`, if they changed.
+//! A stage whose pods cannot run (image pull, crash loop, config error, a rollout past its
+//! deadline) makes the pipeline `Degraded` with the pod and the kubelet's message. Deployment replicas are not touched here: [`crate::scaler`] owns them.
 //!
 //! Errors (API, Kafka, Secrets) are reported in `Degraded` and as a Warning event, and the
 //! pass is retried with exponential backoff ([`error_policy`]).
@@ -16,7 +21,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
@@ -29,12 +35,19 @@ use serde_json::json;
 use tokio::sync::Notify;
 
 use crate::crd::{SessionPipeline, SessionPipelineStatus};
-use crate::kafka::{Connection, CredentialError};
+use crate::drift;
+use crate::health::{self, StageHealth};
+use crate::kafka::{self, Connection, CredentialError};
 use crate::metrics::Metrics;
-use crate::render::{self, Defaults, SpecError, StagePlan, MANAGER, PIPELINE_LABEL, STAGE_LABEL};
+use crate::render::{self, Defaults, SpecError, MANAGER, PIPELINE_LABEL, STAGE_LABEL};
 
 /// Periodic re-check when nothing happens.
 const RESYNC: Duration = Duration::from_secs(300);
+/// Re-check of a pipeline with credential Secrets, to see a rotation.
+const RESYNC_WITH_SECRETS: Duration = Duration::from_secs(60);
+/// Re-check while a stage is not ready or a name is taken: pods are not watched, so a pod
+/// that starts failing after its Deployment last changed is seen within this.
+const RETRY_UNHEALTHY: Duration = Duration::from_secs(15);
 
 /// What every reconcile shares.
 pub struct Context {
@@ -49,6 +62,9 @@ pub struct Context {
     topics_ensured: Mutex<HashSet<(String, i64)>>,
     /// Consecutive failures per pipeline uid, for the backoff.
     failures: Mutex<HashMap<String, u32>>,
+    /// `namespace/name` of each stage Deployment → its generation after the operator last
+    /// applied it: the pod template the stage must run ([`health::stage_health`]).
+    template_generations: Mutex<HashMap<String, i64>>,
 }
 
 impl Context {
@@ -61,6 +77,7 @@ impl Context {
             scaler_wake: Arc::new(Notify::new()),
             topics_ensured: Mutex::default(),
             failures: Mutex::default(),
+            template_generations: Mutex::default(),
         }
     }
 }
@@ -79,6 +96,9 @@ pub enum Error {
     Topics(String),
     #[error("{0} has no namespace")]
     NoNamespace(String),
+    /// An error already written to the status by the pass itself.
+    #[error(transparent)]
+    Reported(Box<Error>),
 }
 
 /// One reconcile of `sp`.
@@ -99,7 +119,9 @@ pub async fn reconcile(sp: Arc<SessionPipeline>, ctx: Arc<Context>) -> Result<Ac
             ctx.metrics.reconciles.with_label_values(&["error"]).inc();
             tracing::warn!(pipeline = %sp.name_any(), %error, "reconcile failed");
             // Best effort: the error itself is what the controller acts on.
-            if let Err(e) = report_error(&sp, &ctx, error).await {
+            if matches!(error, Error::Reported(_)) {
+                // Already in the status, with the stages' state.
+            } else if let Err(e) = report_error(&sp, &ctx, error).await {
                 tracing::warn!(pipeline = %sp.name_any(), error = %e, "could not report the failure");
             }
         }
@@ -133,11 +155,24 @@ async fn converge(sp: &SessionPipeline, ctx: &Context) -> Result<Action, Error> 
     let namespace = sp
         .namespace()
         .ok_or_else(|| Error::NoNamespace(sp.name_any()))?;
-    let plans = match render::plan(sp, &ctx.defaults) {
+    // A spec that cannot run is refused before anything is read (Secrets included).
+    if let Err(spec) = render::plan(sp, &ctx.defaults) {
+        report_invalid_spec(sp, ctx, &spec).await?;
+        // Nothing to retry until the spec changes.
+        return Ok(Action::await_change());
+    }
+    // The credential Secrets' versions go on the pod template: a rotation rolls the stages.
+    // Secrets are not watched (that would need list/watch on every Secret), so a pipeline
+    // with credentials is looked at again every RESYNC_WITH_SECRETS.
+    let secrets = kafka::credential_secrets(&ctx.client, &namespace, &sp.spec.kafka).await?;
+    let secret_versions: Vec<(String, String)> = secrets
+        .iter()
+        .map(|s| (s.name_any(), s.resource_version().unwrap_or_default()))
+        .collect();
+    let plans = match render::plan_with_secrets(sp, &ctx.defaults, &secret_versions) {
         Ok(plans) => plans,
         Err(spec) => {
             report_invalid_spec(sp, ctx, &spec).await?;
-            // Nothing to retry until the spec changes.
             return Ok(Action::await_change());
         }
     };
@@ -162,27 +197,79 @@ async fn converge(sp: &SessionPipeline, ctx: &Context) -> Result<Action, Error> 
         .await
         .map_err(api_error(format!("listing Services in {namespace}")))?
         .items;
+    let budgets: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), &namespace);
+    let existing_budgets = budgets
+        .list(&owned)
+        .await
+        .map_err(api_error(format!(
+            "listing PodDisruptionBudgets in {namespace}"
+        )))?
+        .items;
 
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
+    let existing_pods = pods
+        .list(&owned)
+        .await
+        .map_err(api_error(format!("listing Pods in {namespace}")))?
+        .items;
+
+    let uid = sp.uid().unwrap_or_default();
     let mut rolled = HashSet::new();
+    let mut conflicts = Vec::new();
     for plan in &plans {
-        apply_if_changed(&config_maps, &existing_config_maps, &plan.config_map).await?;
-        let created = !existing_deployments
-            .iter()
-            .any(|d| d.name_any() == plan.deployment.name_any());
-        if apply_if_changed(&deployments, &existing_deployments, &plan.deployment).await? {
+        // Every object of the stage must be the pipeline's before any is written: a Deployment
+        // must not mount a ConfigMap someone else wrote.
+        let cm = live(&config_maps, &existing_config_maps, &plan.config_map, &uid).await?;
+        let dep = live(&deployments, &existing_deployments, &plan.deployment, &uid).await?;
+        let svc = live(&services, &existing_services, &plan.service, &uid).await?;
+        let pdb = match &plan.disruption_budget {
+            Some(budget) => Some((
+                live(&budgets, &existing_budgets, budget, &uid).await?,
+                budget,
+            )),
+            None => None,
+        };
+        let stage_conflicts: Vec<String> = [cm.conflict(), dep.conflict(), svc.conflict()]
+            .into_iter()
+            .chain(pdb.as_ref().map(|(l, _)| l.conflict()))
+            .flatten()
+            .collect();
+        if !stage_conflicts.is_empty() {
+            conflicts.extend(stage_conflicts);
+            continue;
+        }
+        apply_unless_current(&config_maps, &cm, &plan.config_map).await?;
+        if let Some(generation) = apply_unless_current(&deployments, &dep, &plan.deployment).await?
+        {
             rolled.insert(plan.stage.clone());
+            ctx.template_generations
+                .lock()
+                .expect("not poisoned")
+                .insert(
+                    format!("{namespace}/{}", plan.deployment.name_any()),
+                    generation,
+                );
+            if matches!(dep, Live::Missing) {
+                ctx.scaler_wake.notify_one();
+            }
         }
-        if created {
-            ctx.scaler_wake.notify_one();
+        apply_unless_current(&services, &svc, &plan.service).await?;
+        if let Some((live, budget)) = &pdb {
+            apply_unless_current(&budgets, live, budget).await?;
         }
-        apply_if_changed(&services, &existing_services, &plan.service).await?;
     }
 
     let keep: HashSet<&str> = plans.iter().map(|p| p.stage.as_str()).collect();
-    let uid = sp.uid().unwrap_or_default();
     delete_stale(&config_maps, &existing_config_maps, &keep, &uid).await?;
     let removed = delete_stale(&deployments, &existing_deployments, &keep, &uid).await?;
     delete_stale(&services, &existing_services, &keep, &uid).await?;
+    // A stage whose budget was turned off keeps its other objects but loses its budget.
+    let keep_budgets: HashSet<&str> = plans
+        .iter()
+        .filter(|p| p.disruption_budget.is_some())
+        .map(|p| p.stage.as_str())
+        .collect();
+    delete_stale(&budgets, &existing_budgets, &keep_budgets, &uid).await?;
     for stage in &removed {
         ctx.metrics.forget_stage(&namespace, &sp.name_any(), stage);
         publish(
@@ -196,13 +283,84 @@ async fn converge(sp: &SessionPipeline, ctx: &Context) -> Result<Action, Error> 
     }
 
     // After the objects: a broker that cannot be reached must not hold back other changes
-    // (workers wait for their topics themselves); the failure still shows as Degraded.
-    ensure_topics(sp, ctx, &namespace).await?;
+    // (workers wait for their topics themselves); the failure still shows as Degraded, in a
+    // status that also tells how the stages are.
+    let topics = ensure_topics(sp, ctx, &namespace).await;
 
-    let ready = count_ready(&plans, &existing_deployments, &rolled);
-    let status = converged_status(sp, ready, plans.len(), !rolled.is_empty(), now());
+    let healths: Vec<(String, StageHealth)> = plans
+        .iter()
+        .map(|p| {
+            let health = if rolled.contains(&p.stage) {
+                StageHealth::Progressing
+            } else {
+                let name = p.deployment.name_any();
+                let live = existing_deployments.iter().find(|d| d.name_any() == name);
+                let stage_pods: Vec<&Pod> = existing_pods
+                    .iter()
+                    .filter(|pod| pod.labels().get(STAGE_LABEL) == Some(&p.stage))
+                    .collect();
+                let generation = ctx
+                    .template_generations
+                    .lock()
+                    .expect("not poisoned")
+                    .get(&format!("{namespace}/{name}"))
+                    .copied();
+                health::stage_health(live, &stage_pods, generation)
+            };
+            (p.stage.clone(), health)
+        })
+        .collect();
+    let problem = match (&topics, conflicts.first()) {
+        (_, Some(_)) => Some(Problem {
+            reason: "NameConflict".into(),
+            message: format!(
+                "{} not created by this SessionPipeline; the operator does not take it over \
+                 (delete or rename it)",
+                conflicts.join(", ")
+            ),
+        }),
+        (Err(e), None) => Some(Problem {
+            reason: "TopicsFailed".into(),
+            message: e.to_string(),
+        }),
+        (Ok(()), None) => None,
+    };
+    let status = converged_status(sp, &healths, problem.as_ref(), now());
+    let all_ready = healths.iter().all(|(_, h)| *h == StageHealth::Ready);
+    let degraded_now = degraded(Some(&status));
+    let newly_degraded = degraded_now
+        .filter(|(reason, _)| degraded(sp.status.as_ref()).map(|(r, _)| r) != Some(reason.clone()));
     write_status(sp, ctx, status).await?;
-    Ok(Action::requeue(RESYNC))
+    if let Some((reason, message)) = newly_degraded {
+        publish(sp, ctx, EventType::Warning, &reason, message).await;
+    }
+    topics.map_err(|e| Error::Reported(Box::new(e)))?;
+    if !conflicts.is_empty() {
+        return Ok(Action::requeue(RETRY_UNHEALTHY));
+    }
+    // Pods are not watched: look again soon while a stage is not ready.
+    Ok(Action::requeue(if !all_ready {
+        RETRY_UNHEALTHY
+    } else if !secret_versions.is_empty() {
+        RESYNC_WITH_SECRETS
+    } else {
+        RESYNC
+    }))
+}
+
+/// Why the pipeline is `Degraded` after a pass that ran to the end.
+struct Problem {
+    reason: String,
+    message: String,
+}
+
+/// The reason and message of a `Degraded: True` condition.
+fn degraded(status: Option<&SessionPipelineStatus>) -> Option<(String, String)> {
+    status?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Degraded" && c.status == "True")
+        .map(|c| (c.reason.clone(), c.message.clone()))
 }
 
 async fn ensure_topics(sp: &SessionPipeline, ctx: &Context, namespace: &str) -> Result<(), Error> {
@@ -240,27 +398,91 @@ async fn ensure_topics(sp: &SessionPipeline, ctx: &Context, namespace: &str) -> 
     Ok(())
 }
 
-/// Applies `desired` unless an object of that name already carries its hash. Returns whether
-/// it wrote.
-async fn apply_if_changed<K>(api: &Api<K>, existing: &[K], desired: &K) -> Result<bool, Error>
+/// The live object of a name the pipeline wants.
+#[derive(Debug)]
+enum Live<K> {
+    Missing,
+    /// Controlled by the pipeline.
+    Ours(Box<K>),
+    /// Held by something else (named `Kind name`): never written.
+    Foreign(String),
+}
+
+impl<K> Live<K> {
+    fn conflict(&self) -> Option<String> {
+        match self {
+            Live::Foreign(what) => Some(what.clone()),
+            _ => None,
+        }
+    }
+}
+
+fn kind_of<K: Resource>() -> String
+where
+    K::DynamicType: Default,
+{
+    K::kind(&K::DynamicType::default()).to_string()
+}
+
+/// The live object named as `desired`. `existing` are the objects listed by the pipeline's
+/// label; a name not among them is looked up, since an object without the label can hold it.
+async fn live<K>(
+    api: &Api<K>,
+    existing: &[K],
+    desired: &K,
+    owner_uid: &str,
+) -> Result<Live<K>, Error>
+where
+    K: Resource + Clone + DeserializeOwned + std::fmt::Debug,
+    K::DynamicType: Default,
+{
+    let name = desired.name_any();
+    let found = match existing.iter().find(|e| e.name_any() == name) {
+        Some(live) => Some(live.clone()),
+        None => api
+            .get_opt(&name)
+            .await
+            .map_err(api_error(format!("reading {} {name}", kind_of::<K>())))?,
+    };
+    Ok(match found {
+        None => Live::Missing,
+        Some(obj) if drift::owned_by(&obj, owner_uid) => Live::Ours(Box::new(obj)),
+        Some(_) => Live::Foreign(format!("{} {name}", kind_of::<K>())),
+    })
+}
+
+/// Applies `desired` (server-side apply) when it is missing, its rendered hash changed, or the
+/// live object drifted from it ([`drift::drifted`]); returns the generation after the write,
+/// or `None` when nothing was written. A [`Live::Foreign`] object is never written.
+async fn apply_unless_current<K>(
+    api: &Api<K>,
+    live: &Live<K>,
+    desired: &K,
+) -> Result<Option<i64>, Error>
 where
     K: Resource + Clone + DeserializeOwned + Serialize + std::fmt::Debug,
     K::DynamicType: Default,
 {
-    let name = desired.name_any();
-    let current = existing.iter().find(|e| e.name_any() == name);
-    if current.and_then(render::applied_hash) == render::applied_hash(desired) {
-        return Ok(false);
+    match live {
+        Live::Foreign(_) => return Ok(None),
+        Live::Ours(live)
+            if render::applied_hash(live.as_ref()) == render::applied_hash(desired)
+                && !drift::drifted(desired, live.as_ref()) =>
+        {
+            return Ok(None)
+        }
+        _ => {}
     }
-    let kind = K::kind(&K::DynamicType::default()).to_string();
-    api.patch(
-        &name,
-        &PatchParams::apply(MANAGER).force(),
-        &Patch::Apply(desired),
-    )
-    .await
-    .map_err(api_error(format!("applying {kind} {name}")))?;
-    Ok(true)
+    let name = desired.name_any();
+    let applied = api
+        .patch(
+            &name,
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(desired),
+        )
+        .await
+        .map_err(api_error(format!("applying {} {name}", kind_of::<K>())))?;
+    Ok(Some(applied.meta().generation.unwrap_or(0)))
 }
 
 /// Deletes the objects of stages not in `keep` that this pipeline owns; returns their stages.
@@ -294,46 +516,47 @@ where
     Ok(removed)
 }
 
-/// Stages whose Deployment has rolled out all its replicas (and was not changed just now).
-fn count_ready(plans: &[StagePlan], deployments: &[Deployment], rolled: &HashSet<String>) -> usize {
-    plans
-        .iter()
-        .filter(|p| !rolled.contains(&p.stage))
-        .filter(|p| {
-            deployments
-                .iter()
-                .find(|d| d.name_any() == p.deployment.name_any())
-                .is_some_and(deployment_ready)
-        })
-        .count()
-}
-
-/// A Deployment is ready when its controller saw the latest spec and every wanted replica is
-/// updated and ready.
-pub fn deployment_ready(d: &Deployment) -> bool {
-    let want = d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
-    let Some(status) = d.status.as_ref() else {
-        return false;
-    };
-    let seen = status.observed_generation.unwrap_or(0) >= d.metadata.generation.unwrap_or(0);
-    seen && status.updated_replicas.unwrap_or(0) >= want
-        && status.ready_replicas.unwrap_or(0) >= want
-}
-
 fn now() -> Time {
     Time(Timestamp::now())
 }
 
-/// The reconciler's part of the status after a successful pass.
+/// The reconciler's part of the status after a pass that ran to the end: `Ready` when every
+/// stage is, `Degraded` with the first stage that cannot run (its pod or Deployment and the
+/// message) or the pass's `problem`. `observedGeneration` advances only without a problem.
 fn converged_status(
     sp: &SessionPipeline,
-    ready: usize,
-    total: usize,
-    rolling: bool,
+    healths: &[(String, StageHealth)],
+    problem: Option<&Problem>,
     now: Time,
 ) -> SessionPipelineStatus {
-    let all_ready = ready == total && !rolling;
+    let total = healths.len();
+    let ready = healths
+        .iter()
+        .filter(|(_, h)| *h == StageHealth::Ready)
+        .count();
+    let all_ready = ready == total;
     let summary = format!("{ready}/{total} stages ready");
+    let failing = healths.iter().find_map(|(stage, h)| match h {
+        StageHealth::Failing {
+            reason,
+            subject,
+            message,
+        } => Some((
+            reason.as_str(),
+            format!("stage {stage}: {subject}: {message}"),
+        )),
+        _ => None,
+    });
+    let degraded = match (problem, &failing) {
+        (Some(p), _) => condition("Degraded", true, &p.reason, &p.message),
+        (None, Some((reason, message))) => condition("Degraded", true, reason, message),
+        (None, None) => condition(
+            "Degraded",
+            false,
+            "ReconcileSucceeded",
+            "the spec is applied",
+        ),
+    };
     let conditions = [
         if all_ready {
             condition("Ready", true, "AllStagesReady", &summary)
@@ -345,17 +568,13 @@ fn converged_status(
         } else {
             condition("Progressing", true, "RollingOut", &summary)
         },
-        condition(
-            "Degraded",
-            false,
-            "ReconcileSucceeded",
-            "the spec is applied",
-        ),
+        degraded,
     ];
     status_with(
         sp,
         conditions.to_vec(),
         Some(format!("{ready}/{total}")),
+        problem.is_none(),
         now,
     )
 }
@@ -378,6 +597,7 @@ fn status_with(
     sp: &SessionPipeline,
     conditions: Vec<Condition>,
     stages_ready: Option<String>,
+    advance_generation: bool,
     now: Time,
 ) -> SessionPipelineStatus {
     let previous = sp.status.clone().unwrap_or_default();
@@ -396,7 +616,11 @@ fn status_with(
         }
     }
     SessionPipelineStatus {
-        observed_generation: generation,
+        observed_generation: if advance_generation {
+            generation
+        } else {
+            previous.observed_generation
+        },
         conditions: merged,
         stages_ready: stages_ready.or(previous.stages_ready),
         ..previous
@@ -452,7 +676,8 @@ async fn report_invalid_spec(
         ),
         condition("Degraded", true, "InvalidSpec", &message),
     ];
-    let status = status_with(sp, conditions, None, now());
+    // The generation was judged to the end (it cannot run): it counts as observed.
+    let status = status_with(sp, conditions, None, true, now());
     let changed = sp.status.as_ref().map(|s| &s.conditions) != Some(&status.conditions);
     write_status(sp, ctx, status).await?;
     if changed {
@@ -467,6 +692,7 @@ async fn report_error(sp: &SessionPipeline, ctx: &Context, error: &Error) -> Res
         sp,
         vec![condition("Degraded", true, "ReconcileFailed", &message)],
         None,
+        false,
         now(),
     );
     write_status(sp, ctx, status).await?;

@@ -19,6 +19,8 @@ use crate::render::Defaults;
 const CM: &str = "/api/v1/namespaces/shop/configmaps";
 const DEP: &str = "/apis/apps/v1/namespaces/shop/deployments";
 const SVC: &str = "/api/v1/namespaces/shop/services";
+const PDB: &str = "/apis/policy/v1/namespaces/shop/poddisruptionbudgets";
+const PODS: &str = "/api/v1/namespaces/shop/pods";
 const STATUS: &str = "/apis/sessionflow.io/v1alpha1/namespaces/shop/sessionpipelines/chat/status";
 const EVENTS: &str = "/apis/events.k8s.io/v1/namespaces/shop/events";
 
@@ -28,6 +30,7 @@ fn context(client: kube::Client) -> Arc<Context> {
         Defaults {
             worker_image: "sessionflow-worker:test".into(),
             log_format: "json".into(),
+            allowed_images: Vec::new(),
         },
         Metrics::new(),
         Reporter {
@@ -43,6 +46,8 @@ struct Cluster {
     config_maps: Vec<Value>,
     deployments: Vec<Value>,
     services: Vec<Value>,
+    budgets: Vec<Value>,
+    pods: Vec<Value>,
 }
 
 fn echo(seen: &Seen) -> Value {
@@ -73,12 +78,14 @@ fn condition<'a>(status: &'a Value, type_: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("no {type_} condition in {status}"))
 }
 
-/// Answers the three owned-object lists from `cluster`.
+/// Answers the owned-object lists (and the pods') from `cluster`.
 async fn lists(server: &mut ApiServer, cluster: &Cluster) {
     for (path, kind, version, items) in [
         (CM, "ConfigMap", "v1", &cluster.config_maps),
         (DEP, "Deployment", "apps/v1", &cluster.deployments),
         (SVC, "Service", "v1", &cluster.services),
+        (PDB, "PodDisruptionBudget", "policy/v1", &cluster.budgets),
+        (PODS, "Pod", "v1", &cluster.pods),
     ] {
         let seen = server
             .expect(Method::GET, path, |_| list(kind, version, items))
@@ -101,7 +108,19 @@ where
     F: std::future::Future<Output = ApiServer>,
 {
     let (client, server) = mock_client();
-    let ctx = context(client);
+    scenario_with(context(client), server, sp, script).await
+}
+
+/// [`scenario`] with a context kept across passes (what the reconciler remembers).
+async fn scenario_with<F>(
+    ctx: Arc<Context>,
+    server: ApiServer,
+    sp: SessionPipeline,
+    script: impl FnOnce(ApiServer) -> F,
+) -> Result<kube::runtime::controller::Action, Error>
+where
+    F: std::future::Future<Output = ApiServer>,
+{
     let task = tokio::spawn(reconcile(Arc::new(sp), ctx));
     let mut server = tokio::time::timeout(Duration::from_secs(10), script(server))
         .await
@@ -123,6 +142,15 @@ async fn first_pass(sp: &SessionPipeline) -> (Cluster, Value) {
     let result = scenario(sp.clone(), |mut server| async move {
         lists(&mut server, &Cluster::default()).await;
         for stage in &stages {
+            // Names not in the pipeline's lists are looked up first: none is taken.
+            for path in [
+                format!("{CM}/chat-{stage}"),
+                format!("{DEP}/chat-{stage}"),
+                format!("{SVC}/chat-{stage}-metrics"),
+                format!("{PDB}/chat-{stage}"),
+            ] {
+                server.fail(Method::GET, &path, 404).await;
+            }
             let cm = server
                 .expect(Method::PATCH, &format!("{CM}/chat-{stage}"), echo)
                 .await;
@@ -132,7 +160,10 @@ async fn first_pass(sp: &SessionPipeline) -> (Cluster, Value) {
             let svc = server
                 .expect(Method::PATCH, &format!("{SVC}/chat-{stage}-metrics"), echo)
                 .await;
-            for seen in [&cm, &dep, &svc] {
+            let pdb = server
+                .expect(Method::PATCH, &format!("{PDB}/chat-{stage}"), echo)
+                .await;
+            for seen in [&cm, &dep, &svc, &pdb] {
                 assert!(
                     seen.query_has("fieldManager=sessionflow-operator"),
                     "{}",
@@ -152,6 +183,7 @@ async fn first_pass(sp: &SessionPipeline) -> (Cluster, Value) {
             guard.0.config_maps.push(cm.body);
             guard.0.deployments.push(dep.body);
             guard.0.services.push(svc.body);
+            guard.0.budgets.push(pdb.body);
         }
         let status = server
             .expect(Method::PATCH, STATUS, status_reply(&sp2))
@@ -209,6 +241,7 @@ fn ready(mut deployment: Value) -> Value {
     deployment["spec"]["replicas"] = json!(2);
     deployment["status"] = json!({
         "observedGeneration": 1, "replicas": 2, "updatedReplicas": 2, "readyReplicas": 2,
+        "availableReplicas": 2,
     });
     deployment
 }
@@ -238,7 +271,7 @@ async fn reconciles_without_changes_write_nothing() {
     assert_eq!(condition(&status, "Ready")["status"], "True");
     assert_eq!(status["status"]["stagesReady"], "2/2");
 
-    // Third pass: the cluster and the status are as desired: three reads, no write.
+    // Third pass: the cluster and the status are as desired: five reads, no write.
     let sp = with_status(&sp, &status);
     scenario(sp, |mut server| async move {
         lists(&mut server, &cluster).await;
@@ -267,6 +300,9 @@ async fn a_stage_removed_from_the_spec_is_removed_from_the_cluster() {
                 &format!("{SVC}/chat-llm-metrics"),
                 echo_deleted,
             )
+            .await;
+        server
+            .expect(Method::DELETE, &format!("{PDB}/chat-llm"), echo_deleted)
             .await;
         let event = server.expect(Method::POST, EVENTS, echo).await;
         assert_eq!(event.body["reason"], "StageRemoved");
@@ -488,4 +524,466 @@ async fn an_api_failure_is_reported_as_degraded_and_retried() {
     })
     .await;
     assert!(matches!(result, Err(Error::Api { .. })), "{result:?}");
+}
+
+/// The status patch of a pass over `cluster` that turns the pipeline `Degraded` and writes
+/// nothing else but the Warning event with the same reason.
+async fn degraded_pass(sp: &SessionPipeline, cluster: &Cluster) -> Value {
+    let seen = Arc::new(std::sync::Mutex::new(Value::Null));
+    let (out, c, sp2) = (seen.clone(), cluster.clone(), sp.clone());
+    scenario(sp.clone(), |mut server| async move {
+        lists(&mut server, &c).await;
+        let s = server
+            .expect(Method::PATCH, STATUS, status_reply(&sp2))
+            .await;
+        let event = server.expect(Method::POST, EVENTS, echo).await;
+        assert_eq!(event.body["type"], "Warning");
+        assert_eq!(
+            event.body["reason"],
+            condition(&s.body, "Degraded")["reason"]
+        );
+        assert_eq!(
+            event.body["note"],
+            condition(&s.body, "Degraded")["message"]
+        );
+        *out.lock().unwrap() = s.body;
+        server
+    })
+    .await
+    .unwrap();
+    let status = seen.lock().unwrap().clone();
+    status
+}
+
+fn pod(stage: &str, containers: Value) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": { "name": format!("chat-{stage}-5c7d9-x2x4q"), "namespace": "shop",
+                      "labels": { "sessionflow.io/pipeline": "chat", "sessionflow.io/stage": stage } },
+        "spec": { "containers": [] },
+        "status": { "containerStatuses": containers },
+    })
+}
+
+#[tokio::test]
+async fn pods_that_cannot_run_make_the_pipeline_degraded_with_the_pod_named() {
+    let sp = pipeline(&["nlu", "llm"]);
+    let (mut cluster, status) = first_pass(&sp).await;
+    cluster.deployments = cluster.deployments.into_iter().map(ready).collect();
+    let sp = with_status(&sp, &status);
+    for (reason, message) in [
+        (
+            "ImagePullBackOff",
+            "Back-off pulling image \"sessionflow-worker:tset\"",
+        ),
+        (
+            "CrashLoopBackOff",
+            "back-off 5m0s restarting failed container=worker",
+        ),
+        (
+            "CreateContainerConfigError",
+            "secret \"kafka-user\" not found",
+        ),
+    ] {
+        let mut cluster = cluster.clone();
+        cluster.pods = vec![pod(
+            "llm",
+            json!([{ "name": "worker", "image": "w", "imageID": "", "ready": false, "restartCount": 4,
+                     "state": { "waiting": { "reason": reason, "message": message } } }]),
+        )];
+        let status = degraded_pass(&sp, &cluster).await;
+        let degraded = condition(&status, "Degraded");
+        assert_eq!(degraded["status"], "True", "{reason}");
+        assert_eq!(degraded["reason"], reason);
+        assert_eq!(
+            degraded["message"],
+            format!("stage llm: pod chat-llm-5c7d9-x2x4q container worker: {message}")
+        );
+        assert_eq!(condition(&status, "Ready")["status"], "False");
+        assert_eq!(status["status"]["stagesReady"], "1/2");
+    }
+    // The Deployment's own verdict on a rollout that stopped progressing.
+    let mut stuck = cluster.clone();
+    stuck.deployments[0]["status"]["conditions"] = json!([{
+        "type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+        "message": "ReplicaSet \"chat-nlu-5c7d9\" has timed out progressing."
+    }]);
+    let status = degraded_pass(&sp, &stuck).await;
+    let degraded = condition(&status, "Degraded");
+    assert_eq!(degraded["reason"], "ProgressDeadlineExceeded");
+    assert_eq!(
+        degraded["message"],
+        "stage nlu: Deployment chat-nlu: ReplicaSet \"chat-nlu-5c7d9\" has timed out progressing."
+    );
+}
+
+#[tokio::test]
+async fn ready_holds_while_the_autoscaler_adds_replicas() {
+    let sp = pipeline(&["nlu"]);
+    let (client, mut server) = mock_client();
+    let ctx = context(client);
+    let within = |f| tokio::time::timeout(Duration::from_secs(1), f);
+
+    // Pass 1 applies; the API server answers the Deployment's apply with generation 1.
+    let task = tokio::spawn(reconcile(Arc::new(sp.clone()), ctx.clone()));
+    lists(&mut server, &Cluster::default()).await;
+    for path in [
+        format!("{CM}/chat-nlu"),
+        format!("{DEP}/chat-nlu"),
+        format!("{SVC}/chat-nlu-metrics"),
+        format!("{PDB}/chat-nlu"),
+    ] {
+        server.fail(Method::GET, &path, 404).await;
+    }
+    let mut cluster = Cluster::default();
+    cluster.config_maps.push(
+        server
+            .expect(Method::PATCH, &format!("{CM}/chat-nlu"), echo)
+            .await
+            .body,
+    );
+    let dep = server
+        .expect(Method::PATCH, &format!("{DEP}/chat-nlu"), |seen| {
+            let mut d = seen.body.clone();
+            d["metadata"]["generation"] = json!(1);
+            d
+        })
+        .await;
+    cluster.deployments.push(dep.body);
+    cluster.services.push(
+        server
+            .expect(Method::PATCH, &format!("{SVC}/chat-nlu-metrics"), echo)
+            .await
+            .body,
+    );
+    cluster.budgets.push(
+        server
+            .expect(Method::PATCH, &format!("{PDB}/chat-nlu"), echo)
+            .await
+            .body,
+    );
+    let status = server
+        .expect(Method::PATCH, STATUS, status_reply(&sp))
+        .await
+        .body;
+    within(task).await.unwrap().unwrap().unwrap();
+    let sp = with_status(&sp, &status);
+
+    // Generation 1 rolled out with 2 replicas; then the autoscaler asked for 4 (generation 2),
+    // which the Deployment controller has not even observed yet: the stage stays Ready.
+    let mut d = ready(cluster.deployments[0].clone());
+    d["metadata"]["generation"] = json!(2);
+    d["spec"]["replicas"] = json!(4);
+    cluster.deployments = vec![d];
+    let task = tokio::spawn(reconcile(Arc::new(sp.clone()), ctx.clone()));
+    lists(&mut server, &cluster).await;
+    let status = server
+        .expect(Method::PATCH, STATUS, status_reply(&sp))
+        .await
+        .body;
+    within(task).await.unwrap().unwrap().unwrap();
+    assert_eq!(condition(&status, "Ready")["status"], "True", "{status}");
+    assert_eq!(status["status"]["stagesReady"], "1/1");
+
+    // Observed, 2 of 4 available: still Ready (the new pods are of the same revision).
+    let sp = with_status(&sp, &status);
+    cluster.deployments[0]["status"] = json!({
+        "observedGeneration": 2, "replicas": 4, "updatedReplicas": 4, "readyReplicas": 2,
+        "availableReplicas": 2,
+    });
+    let task = tokio::spawn(reconcile(Arc::new(sp.clone()), ctx.clone()));
+    lists(&mut server, &cluster).await;
+    server.expect_silence(Duration::from_millis(200)).await;
+    within(task).await.unwrap().unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn an_edited_or_deleted_child_is_repaired_on_the_next_pass() {
+    let sp = pipeline(&["nlu"]);
+    let (cluster, status) = first_pass(&sp).await;
+    let sp = with_status(&sp, &status);
+    let rendered_image =
+        cluster.deployments[0]["spec"]["template"]["spec"]["containers"][0]["image"].clone();
+    let mut drifted = cluster.clone();
+    // Someone edits the worker image in place (the applied-hash annotation survives) and
+    // deletes the metrics Service.
+    drifted.deployments[0]["spec"]["template"]["spec"]["containers"][0]["image"] = json!("evil:1");
+    drifted.services.clear();
+    let sp2 = sp.clone();
+    scenario(sp, |mut server| async move {
+        lists(&mut server, &drifted).await;
+        server
+            .fail(Method::GET, &format!("{SVC}/chat-nlu-metrics"), 404)
+            .await;
+        let dep = server
+            .expect(Method::PATCH, &format!("{DEP}/chat-nlu"), echo)
+            .await;
+        assert_eq!(
+            dep.body["spec"]["template"]["spec"]["containers"][0]["image"],
+            rendered_image
+        );
+        assert!(dep.query_has("force=true"));
+        server
+            .expect(Method::PATCH, &format!("{SVC}/chat-nlu-metrics"), echo)
+            .await;
+        // The repaired stage rolls again: the status still says Progressing, as before.
+        let _ = sp2;
+        server
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn a_name_held_by_another_object_is_a_conflict_and_never_taken_over() {
+    let sp = pipeline(&["nlu", "llm"]);
+    let sp2 = sp.clone();
+    scenario(sp, |mut server| async move {
+        lists(&mut server, &Cluster::default()).await;
+        // chat-nlu's ConfigMap exists without the pipeline's label or owner (another
+        // pipeline `chat-nlu`'s, or a hand-made one).
+        server
+            .expect(Method::GET, &format!("{CM}/chat-nlu"), |_| {
+                json!({"apiVersion": "v1", "kind": "ConfigMap",
+                       "metadata": {"name": "chat-nlu", "namespace": "shop"}, "data": {"x": "y"}})
+            })
+            .await;
+        for path in [
+            format!("{DEP}/chat-nlu"),
+            format!("{SVC}/chat-nlu-metrics"),
+            format!("{PDB}/chat-nlu"),
+        ] {
+            server.fail(Method::GET, &path, 404).await;
+        }
+        // Nothing of stage nlu is written; stage llm is.
+        for path in [
+            format!("{CM}/chat-llm"),
+            format!("{DEP}/chat-llm"),
+            format!("{SVC}/chat-llm-metrics"),
+            format!("{PDB}/chat-llm"),
+        ] {
+            server.fail(Method::GET, &path, 404).await;
+        }
+        for path in [
+            format!("{CM}/chat-llm"),
+            format!("{DEP}/chat-llm"),
+            format!("{SVC}/chat-llm-metrics"),
+            format!("{PDB}/chat-llm"),
+        ] {
+            server.expect(Method::PATCH, &path, echo).await;
+        }
+        let status = server
+            .expect(Method::PATCH, STATUS, status_reply(&sp2))
+            .await;
+        let degraded = condition(&status.body, "Degraded");
+        assert_eq!(degraded["status"], "True");
+        assert_eq!(degraded["reason"], "NameConflict");
+        let message = degraded["message"].as_str().unwrap();
+        assert!(
+            message.starts_with("ConfigMap chat-nlu not created by this SessionPipeline"),
+            "{message}"
+        );
+        assert!(
+            status.body["status"]["observedGeneration"].is_null(),
+            "not a successful reconcile: {}",
+            status.body
+        );
+        let event = server.expect(Method::POST, EVENTS, echo).await;
+        assert_eq!(event.body["reason"], "NameConflict");
+        server
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn a_topic_failure_still_writes_the_stages_status_and_keeps_the_observed_generation() {
+    let mut sp = pipeline(&["nlu"]);
+    let (mut cluster, status) = first_pass(&sp).await;
+    cluster.deployments = cluster.deployments.into_iter().map(ready).collect();
+    sp = with_status(&sp, &status);
+    sp.metadata.generation = Some(2);
+    sp.spec.topics.create = true;
+    // librdkafka refuses the client at once: the topic step fails without a broker timeout.
+    kafka_property(&mut sp, "no.such.property", "1");
+    let sp2 = sp.clone();
+    let result = scenario(sp, |mut server| async move {
+        lists(&mut server, &cluster).await;
+        // The new property is in the worker config: ConfigMap and Deployment change.
+        server
+            .expect(Method::PATCH, &format!("{CM}/chat-nlu"), echo)
+            .await;
+        server
+            .expect(Method::PATCH, &format!("{DEP}/chat-nlu"), echo)
+            .await;
+        let status = server
+            .expect(Method::PATCH, STATUS, status_reply(&sp2))
+            .await;
+        let degraded = condition(&status.body, "Degraded");
+        assert_eq!(degraded["reason"], "TopicsFailed");
+        assert!(
+            degraded["message"]
+                .as_str()
+                .unwrap()
+                .starts_with("creating topics:"),
+            "{degraded}"
+        );
+        assert_eq!(
+            status.body["status"]["stagesReady"], "0/1",
+            "rolled: not ready"
+        );
+        assert_eq!(
+            status.body["status"]["observedGeneration"], 1,
+            "not advanced"
+        );
+        let event = server.expect(Method::POST, EVENTS, echo).await;
+        assert_eq!(event.body["reason"], "TopicsFailed");
+        server
+    })
+    .await;
+    assert!(matches!(result, Err(Error::Reported(_))), "{result:?}");
+}
+
+const SECRET: &str = "/api/v1/namespaces/shop/secrets/kafka-user";
+
+fn with_sasl(mut sp: SessionPipeline) -> SessionPipeline {
+    sp.spec.kafka.sasl = Some(crate::crd::SaslSpec {
+        mechanism: crate::crd::SaslMechanism::ScramSha512,
+        secret_name: "kafka-user".into(),
+        username_key: "username".into(),
+        password_key: "password".into(),
+        allow_plain_without_tls: false,
+    });
+    sp
+}
+
+fn secret(resource_version: &str, labelled: bool) -> Value {
+    let labels = if labelled {
+        json!({ "sessionflow.io/credentials": "true" })
+    } else {
+        json!({})
+    };
+    json!({
+        "apiVersion": "v1", "kind": "Secret",
+        "metadata": { "name": "kafka-user", "namespace": "shop",
+                      "resourceVersion": resource_version, "labels": labels },
+        "data": { "username": "dXNlcg==", "password": "cGFzcw==" },
+    })
+}
+
+#[tokio::test]
+async fn a_rotated_secret_rolls_the_stage_and_nothing_else() {
+    let sp = with_sasl(pipeline(&["nlu"]));
+    let applied = Arc::new(std::sync::Mutex::new((Cluster::default(), Value::Null)));
+    let (out, sp1) = (applied.clone(), sp.clone());
+    scenario(sp.clone(), |mut server| async move {
+        server
+            .expect(Method::GET, SECRET, |_| secret("41", true))
+            .await;
+        lists(&mut server, &Cluster::default()).await;
+        for path in [
+            format!("{CM}/chat-nlu"),
+            format!("{DEP}/chat-nlu"),
+            format!("{SVC}/chat-nlu-metrics"),
+            format!("{PDB}/chat-nlu"),
+        ] {
+            server.fail(Method::GET, &path, 404).await;
+        }
+        let mut c = Cluster::default();
+        c.config_maps.push(
+            server
+                .expect(Method::PATCH, &format!("{CM}/chat-nlu"), echo)
+                .await
+                .body,
+        );
+        c.deployments.push(
+            server
+                .expect(Method::PATCH, &format!("{DEP}/chat-nlu"), echo)
+                .await
+                .body,
+        );
+        c.services.push(
+            server
+                .expect(Method::PATCH, &format!("{SVC}/chat-nlu-metrics"), echo)
+                .await
+                .body,
+        );
+        c.budgets.push(
+            server
+                .expect(Method::PATCH, &format!("{PDB}/chat-nlu"), echo)
+                .await
+                .body,
+        );
+        let status = server
+            .expect(Method::PATCH, STATUS, status_reply(&sp1))
+            .await
+            .body;
+        *out.lock().unwrap() = (c, status);
+        server
+    })
+    .await
+    .unwrap();
+    let (cluster, status) = applied.lock().unwrap().clone();
+    let sp = with_status(&sp, &status);
+    let annotation =
+        |d: &Value| d["spec"]["template"]["metadata"]["annotations"][render::SECRETS_HASH].clone();
+    let before = annotation(&cluster.deployments[0]);
+    assert!(
+        before.is_string(),
+        "the pod template carries the Secrets' hash"
+    );
+
+    // The same version: nothing to write.
+    let c = cluster.clone();
+    scenario(sp.clone(), |mut server| async move {
+        server
+            .expect(Method::GET, SECRET, |_| secret("41", true))
+            .await;
+        lists(&mut server, &c).await;
+        server
+    })
+    .await
+    .unwrap();
+
+    // Rotated: the Deployment's pod template changes (the pods roll); the config does not.
+    scenario(sp, |mut server| async move {
+        server
+            .expect(Method::GET, SECRET, |_| secret("97", true))
+            .await;
+        lists(&mut server, &cluster).await;
+        let dep = server
+            .expect(Method::PATCH, &format!("{DEP}/chat-nlu"), echo)
+            .await;
+        let after = annotation(&dep.body);
+        assert!(after.is_string() && after != before, "{before} → {after}");
+        server
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn a_secret_that_did_not_opt_in_is_not_used() {
+    let sp = with_sasl(pipeline(&["nlu"]));
+    let sp2 = sp.clone();
+    let result = scenario(sp, |mut server| async move {
+        server
+            .expect(Method::GET, SECRET, |_| secret("41", false))
+            .await;
+        let status = server
+            .expect(Method::PATCH, STATUS, status_reply(&sp2))
+            .await;
+        let degraded = condition(&status.body, "Degraded");
+        assert_eq!(degraded["reason"], "ReconcileFailed");
+        let message = degraded["message"].as_str().unwrap();
+        assert!(
+            message
+                .contains("secret kafka-user is not labelled sessionflow.io/credentials: \"true\""),
+            "{message}"
+        );
+        server.expect(Method::POST, EVENTS, echo).await;
+        server
+    })
+    .await;
+    assert!(matches!(result, Err(Error::Credentials(_))), "{result:?}");
 }

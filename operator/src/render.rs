@@ -1,6 +1,7 @@
 //! From a `SessionPipeline` to the objects of each stage: worker config, ConfigMap,
-//! Deployment and metrics Service. Pure: no I/O, so every object the operator writes can be
-//! checked in a unit test.
+//! Deployment (its pod from [`crate::pod`]), metrics Service and PodDisruptionBudget. Pure: no
+//! I/O, so every object the operator writes can be checked in a unit test, and
+//! `sessionflow-operator render` prints them without a cluster.
 //!
 //! The worker config is built by deserializing the spec's values into the worker's own
 //! [`StageConfig`] and running its own [`StageConfig::validate`]: a spec the worker would
@@ -13,21 +14,20 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::apps::v1::{
     Deployment, DeploymentSpec, DeploymentStrategy, RollingUpdateDeployment,
 };
-use k8s_openapi::api::core::v1::{
-    Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EnvVar, EnvVarSource,
-    HTTPGetAction, PodSecurityContext, PodSpec, PodTemplateSpec, Probe, SeccompProfile,
-    SecretKeySelector, SecretVolumeSource, SecurityContext, Service, ServicePort, ServiceSpec,
-    Volume, VolumeMount,
-};
+use k8s_openapi::api::core::v1::{ConfigMap, PodTemplateSpec, Service, ServicePort, ServiceSpec};
+use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{Resource, ResourceExt};
 use serde::Serialize;
 use serde_json::{json, Map, Value};
-use sessionflow_worker::config::{StageConfig, SASL_PASSWORD_ENV, SASL_USERNAME_ENV};
+use sessionflow_worker::config::StageConfig;
 use sha2::{Digest, Sha256};
 
-use crate::crd::{KafkaSpec, SessionPipeline, StageSpec};
+use crate::crd::{DisruptionBudgetSpec, KafkaSpec, SessionPipeline, StageSpec, WorkerTemplate};
+use crate::pod::{self, WorkerPod, CONFIG_FILE, TLS_DIR};
+pub use crate::pod::{CONFIG_HASH, METRICS_PORT, SECRETS_HASH};
+pub use crate::spec_error::SpecError;
 use crate::timeouts;
 
 /// Label naming the pipeline an object belongs to.
@@ -36,18 +36,8 @@ pub const PIPELINE_LABEL: &str = "sessionflow.io/pipeline";
 pub const STAGE_LABEL: &str = "sessionflow.io/stage";
 /// Annotation holding the hash of the object as the operator last rendered it.
 pub const APPLIED_HASH: &str = "sessionflow.io/applied-hash";
-/// Pod-template annotation with the hash of the worker config: a config change rolls the pods.
-pub const CONFIG_HASH: &str = "sessionflow.io/config-hash";
 /// Field manager of the reconciler's server-side applies.
 pub const MANAGER: &str = "sessionflow-operator";
-
-/// Port of the workers' `/metrics`, `/healthz` and `/readyz`.
-pub const METRICS_PORT: i32 = 9090;
-const CONFIG_DIR: &str = "/etc/sessionflow";
-const CONFIG_FILE: &str = "stage.yaml";
-const TLS_DIR: &str = "/etc/sessionflow/kafka-tls";
-/// The image's non-root user (distroless `nonroot`).
-const RUN_AS: i64 = 65532;
 
 /// Operator-wide settings that fill what a pipeline leaves out.
 #[derive(Debug, Clone)]
@@ -55,22 +45,13 @@ pub struct Defaults {
     pub worker_image: String,
     /// `text` or `json`, passed to the workers' `--log-format`.
     pub log_format: String,
+    /// Image prefixes the pods may run (worker and sidecars); empty: any image.
+    pub allowed_images: Vec<String>,
 }
 
-/// A spec the operator cannot run, with the field at fault.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{field}: {message}")]
-pub struct SpecError {
-    pub field: String,
-    pub message: String,
-}
-
-impl SpecError {
-    fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
-        Self {
-            field: field.into(),
-            message: message.into(),
-        }
+impl Defaults {
+    fn image_allowed(&self, image: &str) -> bool {
+        self.allowed_images.is_empty() || self.allowed_images.iter().any(|p| image.starts_with(p))
     }
 }
 
@@ -82,6 +63,8 @@ pub struct StagePlan {
     pub config_map: ConfigMap,
     pub deployment: Deployment,
     pub service: Service,
+    /// None when the spec turns the stage's PodDisruptionBudget off.
+    pub disruption_budget: Option<PodDisruptionBudget>,
 }
 
 /// The consumer group of a stage: unique per namespace, pipeline and stage, and stable.
@@ -120,13 +103,79 @@ fn selector_labels(pipeline: &str, stage: &str) -> BTreeMap<String, String> {
 
 /// Renders every stage of `sp`, or the first problem found.
 pub fn plan(sp: &SessionPipeline, defaults: &Defaults) -> Result<Vec<StagePlan>, SpecError> {
+    plan_with_secrets(sp, defaults, &[])
+}
+
+/// [`plan`], with the `(name, resourceVersion)` of the credential Secrets the pods use: their
+/// hash goes on the pod template ([`SECRETS_HASH`]), so a rotation rolls every stage.
+pub fn plan_with_secrets(
+    sp: &SessionPipeline,
+    defaults: &Defaults,
+    secret_versions: &[(String, String)],
+) -> Result<Vec<StagePlan>, SpecError> {
     check_topology(sp)?;
+    check_security(sp)?;
+    let secrets_hash = (!secret_versions.is_empty()).then(|| {
+        let text: Vec<String> = secret_versions
+            .iter()
+            .map(|(name, version)| format!("{name}@{version}"))
+            .collect();
+        hash(&text.join(","))
+    });
     sp.spec
         .stages
         .iter()
         .enumerate()
-        .map(|(i, stage)| plan_stage(sp, i, stage, defaults))
+        .map(|(i, stage)| plan_stage(sp, i, stage, defaults, secrets_hash.as_deref()))
         .collect()
+}
+
+/// What the CRD's rules say about credentials, checked again.
+fn check_security(sp: &SessionPipeline) -> Result<(), SpecError> {
+    if crate::kafka::insecure_plain(&sp.spec.kafka) {
+        return Err(SpecError::new(
+            "spec.kafka.sasl.mechanism",
+            "SASL PLAIN without TLS sends the password in clear text: add kafka.tls, or set \
+             kafka.sasl.allowPlainWithoutTls: true",
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses an image outside `--allowed-images`.
+fn check_image(defaults: &Defaults, image: &str, field: &str) -> Result<(), SpecError> {
+    if defaults.image_allowed(image) {
+        return Ok(());
+    }
+    Err(SpecError::new(
+        field,
+        format!(
+            "image {image:?} is not allowed here (the operator runs only images starting with {})",
+            defaults.allowed_images.join(", ")
+        ),
+    ))
+}
+
+/// Every object [`plan`] renders for `sp`, as a multi-document YAML stream in apply order
+/// (per stage: ConfigMap, Deployment, Service, PodDisruptionBudget).
+pub fn manifests(sp: &SessionPipeline, defaults: &Defaults) -> Result<String, SpecError> {
+    fn doc<K: Serialize>(out: &mut String, obj: &K) {
+        out.push_str("---\n");
+        out.push_str(&serde_saphyr::to_string(obj).expect("objects serialize"));
+        if !out.ends_with('\n') {
+            out.push('\n');
+        }
+    }
+    let mut out = String::new();
+    for p in plan(sp, defaults)? {
+        doc(&mut out, &p.config_map);
+        doc(&mut out, &p.deployment);
+        doc(&mut out, &p.service);
+        if let Some(budget) = &p.disruption_budget {
+            doc(&mut out, budget);
+        }
+    }
+    Ok(out)
 }
 
 /// What the CRD's CEL rules say, checked again for resources admitted by an older CRD.
@@ -186,6 +235,7 @@ fn plan_stage(
     index: usize,
     stage: &StageSpec,
     defaults: &Defaults,
+    secrets_hash: Option<&str>,
 ) -> Result<StagePlan, SpecError> {
     let field = format!("spec.stages[{index}]");
     let config = stage_config(sp, stage).map_err(|e| SpecError::new(&field, e.to_string()))?;
@@ -216,22 +266,56 @@ fn plan_stage(
         .clone()
         .or_else(|| sp.spec.worker_image.clone())
         .unwrap_or_else(|| defaults.worker_image.clone());
+    let template = pod::merge(sp.spec.worker_template.as_ref(), stage.template.as_ref());
+    let sources = [
+        (format!("{field}.template"), stage.template.as_ref()),
+        (
+            "spec.workerTemplate".to_string(),
+            sp.spec.worker_template.as_ref(),
+        ),
+    ];
+    let sources: Vec<(&str, &WorkerTemplate)> = sources
+        .iter()
+        .filter_map(|(f, t)| t.map(|t| (f.as_str(), t)))
+        .collect();
+    let image_field = match (&stage.image, &sp.spec.worker_image) {
+        (Some(_), _) => format!("{field}.image"),
+        (None, Some(_)) => "spec.workerImage".to_string(),
+        (None, None) => format!("{field}.image (the operator's --worker-image)"),
+    };
+    check_image(defaults, &image, &image_field)?;
+    for (f, t) in &sources {
+        pod::check(t, f)?;
+        for (j, c) in t.sidecars.iter().enumerate() {
+            let image = c.image.as_deref().unwrap_or_default();
+            check_image(defaults, image, &format!("{f}.sidecars[{j}].image"))?;
+        }
+    }
+    pod::check_mounts(&template, &sources)?;
+    let selector = selector_labels(&pipeline, &stage.name);
+    let worker_pod = WorkerPod {
+        config_map: &name,
+        image: &image,
+        log_format: &defaults.log_format,
+        labels: stage_labels(&pipeline, &stage.name),
+        config_hash: &hash(&yaml),
+        grace_period_seconds: budget.termination_grace_period_seconds,
+        kafka: &sp.spec.kafka,
+        resources: stage.resources.as_ref(),
+        template: &template,
+        secrets_hash,
+    };
     let deployment = Deployment {
         metadata: meta(name.clone()),
-        spec: Some(deployment_spec(
-            sp,
-            stage,
-            budget,
-            &image,
-            &hash(&yaml),
-            defaults,
-        )),
+        spec: Some(deployment_spec(selector.clone(), worker_pod.template())),
         ..Deployment::default()
     };
+    let disruption_budget =
+        disruption_budget(sp, index, stage, meta(name.clone()), selector.clone())?;
     let service = Service {
         metadata: meta(service_name(&pipeline, &stage.name)),
         spec: Some(ServiceSpec {
-            selector: Some(selector_labels(&pipeline, &stage.name)),
+            selector: Some(selector),
             ports: Some(vec![ServicePort {
                 name: Some("metrics".into()),
                 port: METRICS_PORT,
@@ -248,6 +332,7 @@ fn plan_stage(
         config_map: stamp(config_map),
         deployment: stamp(deployment),
         service: stamp(service),
+        disruption_budget: disruption_budget.map(stamp),
     })
 }
 
@@ -407,123 +492,13 @@ pub fn security_properties(kafka: &KafkaSpec) -> BTreeMap<String, String> {
 }
 
 fn deployment_spec(
-    sp: &SessionPipeline,
-    stage: &StageSpec,
-    budget: timeouts::Budget,
-    image: &str,
-    config_hash: &str,
-    defaults: &Defaults,
+    selector: BTreeMap<String, String>,
+    template: PodTemplateSpec,
 ) -> DeploymentSpec {
-    let pipeline = sp.name_any();
-    let kafka = &sp.spec.kafka;
-    let mut env = Vec::new();
-    if let Some(sasl) = &kafka.sasl {
-        for (var, key) in [
-            (SASL_USERNAME_ENV, &sasl.username_key),
-            (SASL_PASSWORD_ENV, &sasl.password_key),
-        ] {
-            env.push(EnvVar {
-                name: var.into(),
-                value_from: Some(EnvVarSource {
-                    secret_key_ref: Some(SecretKeySelector {
-                        name: sasl.secret_name.clone(),
-                        key: key.clone(),
-                        optional: Some(false),
-                    }),
-                    ..EnvVarSource::default()
-                }),
-                ..EnvVar::default()
-            });
-        }
-    }
-    let mut volumes = vec![Volume {
-        name: "config".into(),
-        config_map: Some(ConfigMapVolumeSource {
-            name: stage_object_name(&pipeline, &stage.name),
-            ..ConfigMapVolumeSource::default()
-        }),
-        ..Volume::default()
-    }];
-    let mut mounts = vec![VolumeMount {
-        name: "config".into(),
-        mount_path: CONFIG_DIR.into(),
-        read_only: Some(true),
-        ..VolumeMount::default()
-    }];
-    if let Some(tls) = &kafka.tls {
-        volumes.push(Volume {
-            name: "kafka-tls".into(),
-            secret: Some(SecretVolumeSource {
-                secret_name: Some(tls.secret_name.clone()),
-                ..SecretVolumeSource::default()
-            }),
-            ..Volume::default()
-        });
-        mounts.push(VolumeMount {
-            name: "kafka-tls".into(),
-            mount_path: TLS_DIR.into(),
-            read_only: Some(true),
-            ..VolumeMount::default()
-        });
-    }
-    let probe = |path: &str, period: i32, failures: i32| Probe {
-        http_get: Some(HTTPGetAction {
-            path: Some(path.into()),
-            port: IntOrString::String("metrics".into()),
-            ..HTTPGetAction::default()
-        }),
-        period_seconds: Some(period),
-        failure_threshold: Some(failures),
-        ..Probe::default()
-    };
-    let container = Container {
-        name: "worker".into(),
-        image: Some(image.to_string()),
-        args: Some(vec![
-            "--log-format".into(),
-            defaults.log_format.clone(),
-            "run".into(),
-            "--config".into(),
-            format!("{CONFIG_DIR}/{CONFIG_FILE}"),
-        ]),
-        ports: Some(vec![ContainerPort {
-            name: Some("metrics".into()),
-            container_port: METRICS_PORT,
-            ..ContainerPort::default()
-        }]),
-        env: (!env.is_empty()).then_some(env),
-        resources: stage.resources.clone(),
-        // No timeout is bounded by this probe: the worker's drains keep the heartbeat
-        // ([`timeouts`]).
-        liveness_probe: Some(probe(
-            "/healthz",
-            timeouts::LIVENESS_PERIOD_SECONDS,
-            timeouts::LIVENESS_FAILURE_THRESHOLD,
-        )),
-        readiness_probe: Some(probe("/readyz", 5, 3)),
-        volume_mounts: Some(mounts),
-        security_context: Some(SecurityContext {
-            allow_privilege_escalation: Some(false),
-            read_only_root_filesystem: Some(true),
-            run_as_non_root: Some(true),
-            capabilities: Some(Capabilities {
-                drop: Some(vec!["ALL".into()]),
-                ..Capabilities::default()
-            }),
-            ..SecurityContext::default()
-        }),
-        ..Container::default()
-    };
-    let annotations = BTreeMap::from([
-        (CONFIG_HASH.to_string(), config_hash.to_string()),
-        ("prometheus.io/scrape".into(), "true".into()),
-        ("prometheus.io/port".into(), METRICS_PORT.to_string()),
-        ("prometheus.io/path".into(), "/metrics".into()),
-    ]);
     DeploymentSpec {
         // `replicas` is left out on purpose: the autoscaler owns it under its own field manager.
         selector: LabelSelector {
-            match_labels: Some(selector_labels(&pipeline, &stage.name)),
+            match_labels: Some(selector),
             ..LabelSelector::default()
         },
         strategy: Some(DeploymentStrategy {
@@ -533,34 +508,52 @@ fn deployment_spec(
                 max_unavailable: Some(IntOrString::Int(0)),
             }),
         }),
-        template: PodTemplateSpec {
-            metadata: Some(ObjectMeta {
-                labels: Some(stage_labels(&pipeline, &stage.name)),
-                annotations: Some(annotations),
-                ..ObjectMeta::default()
-            }),
-            spec: Some(PodSpec {
-                containers: vec![container],
-                volumes: Some(volumes),
-                // The pod outlives the worker's own shutdown: a drain under way, the shutdown
-                // drain, the final commit, the close ([`timeouts::check`]).
-                termination_grace_period_seconds: Some(budget.termination_grace_period_seconds),
-                automount_service_account_token: Some(false),
-                security_context: Some(PodSecurityContext {
-                    run_as_non_root: Some(true),
-                    run_as_user: Some(RUN_AS),
-                    run_as_group: Some(RUN_AS),
-                    seccomp_profile: Some(SeccompProfile {
-                        type_: "RuntimeDefault".into(),
-                        ..SeccompProfile::default()
-                    }),
-                    ..PodSecurityContext::default()
-                }),
-                ..PodSpec::default()
-            }),
-        },
+        template,
         ..DeploymentSpec::default()
     }
+}
+
+/// The stage's PodDisruptionBudget, unless the spec turns it off.
+fn disruption_budget(
+    sp: &SessionPipeline,
+    index: usize,
+    stage: &StageSpec,
+    metadata: ObjectMeta,
+    selector: BTreeMap<String, String>,
+) -> Result<Option<PodDisruptionBudget>, SpecError> {
+    let (budget, field) = match (&stage.disruption_budget, &sp.spec.disruption_budget) {
+        (Some(b), _) => (b.clone(), format!("spec.stages[{index}].disruptionBudget")),
+        (None, Some(b)) => (b.clone(), "spec.disruptionBudget".to_string()),
+        (None, None) => (DisruptionBudgetSpec::default(), String::new()),
+    };
+    if !budget.enabled {
+        return Ok(None);
+    }
+    let valid = match &budget.max_unavailable {
+        IntOrString::Int(n) => *n >= 0,
+        IntOrString::String(s) => s
+            .strip_suffix('%')
+            .and_then(|n| n.parse::<u8>().ok())
+            .is_some_and(|n| n <= 100),
+    };
+    if !valid {
+        return Err(SpecError::new(
+            format!("{field}.maxUnavailable"),
+            "must be a number ≥ 0 or a percentage such as \"25%\"",
+        ));
+    }
+    Ok(Some(PodDisruptionBudget {
+        metadata,
+        spec: Some(PodDisruptionBudgetSpec {
+            max_unavailable: Some(budget.max_unavailable),
+            selector: Some(LabelSelector {
+                match_labels: Some(selector),
+                ..LabelSelector::default()
+            }),
+            ..PodDisruptionBudgetSpec::default()
+        }),
+        ..PodDisruptionBudget::default()
+    }))
 }
 
 /// Short content hash (hex).
@@ -590,11 +583,15 @@ mod tests {
     use super::*;
     use crate::crd::{SaslMechanism, SaslSpec, TlsSpec};
     use crate::fixtures::pipeline;
+    use k8s_openapi::api::core::v1::{Container, PodSpec};
+    use serde_json::Value;
+    use sessionflow_worker::config::{SASL_PASSWORD_ENV, SASL_USERNAME_ENV};
 
     fn defaults() -> Defaults {
         Defaults {
             worker_image: "worker:1".into(),
             log_format: "json".into(),
+            allowed_images: Vec::new(),
         }
     }
 
@@ -679,6 +676,7 @@ mod tests {
             secret_name: "kafka-user".into(),
             username_key: "user".into(),
             password_key: "pass".into(),
+            allow_plain_without_tls: false,
         });
         sp.spec.kafka.tls = Some(TlsSpec {
             secret_name: "kafka-tls".into(),
@@ -858,6 +856,364 @@ mod tests {
                 proptest::prop_assert_eq!(o.field, "spec.stages[0].rebalance.drainTimeoutMs");
             }
         }
+    }
+
+    fn yaml<T: serde::de::DeserializeOwned>(text: &str) -> T {
+        serde_saphyr::from_str(text).unwrap()
+    }
+
+    #[test]
+    fn the_merged_template_reaches_the_pod_and_the_operator_keeps_its_own() {
+        let mut sp = pipeline(&["nlu", "llm"]);
+        sp.spec.worker_template = Some(yaml(
+            r#"
+labels: { team: search }
+annotations: { owner: search@example.com }
+serviceAccountName: pipeline-sa
+imagePullSecrets: [{ name: regcred }]
+nodeSelector: { pool: workers }
+tolerations: [{ key: spot, operator: Exists, effect: NoSchedule }]
+affinity:
+  nodeAffinity:
+    requiredDuringSchedulingIgnoredDuringExecution:
+      nodeSelectorTerms: [{ matchExpressions: [{ key: zone, operator: In, values: [a] }] }]
+topologySpreadConstraints:
+  - { maxSkew: 1, topologyKey: topology.kubernetes.io/zone, whenUnsatisfiable: ScheduleAnyway }
+priorityClassName: pipelines
+env: [{ name: RUST_LOG, value: info }]
+envFrom: [{ configMapRef: { name: common } }]
+volumes: [{ name: scratch, emptyDir: {} }]
+volumeMounts: [{ name: scratch, mountPath: /scratch }]
+securityContext: { runAsUser: 1000 }
+"#,
+        ));
+        sp.spec.stages[1].template = Some(yaml(
+            r#"
+serviceAccountName: llm-sa
+nodeSelector: { pool: gpu }
+env: [{ name: RUST_LOG, value: debug }]
+"#,
+        ));
+        let plans = plan(&sp, &defaults()).unwrap();
+        let (nlu, llm) = (&plans[0], &plans[1]);
+        let meta = |p: &StagePlan| {
+            p.deployment
+                .spec
+                .as_ref()
+                .unwrap()
+                .template
+                .metadata
+                .clone()
+                .unwrap()
+        };
+        let labels = meta(nlu).labels.unwrap();
+        assert_eq!(labels["team"], "search");
+        assert_eq!(labels[STAGE_LABEL], "nlu", "the operator's labels stay");
+        let annotations = meta(nlu).annotations.unwrap();
+        assert_eq!(annotations["owner"], "search@example.com");
+        assert!(annotations.contains_key(CONFIG_HASH));
+        let pod_nlu = pod(nlu);
+        assert_eq!(pod_nlu.service_account_name.as_deref(), Some("pipeline-sa"));
+        assert_eq!(pod(llm).service_account_name.as_deref(), Some("llm-sa"));
+        assert_eq!(pod_nlu.automount_service_account_token, Some(false));
+        assert_eq!(
+            pod_nlu.image_pull_secrets.as_ref().unwrap()[0].name,
+            "regcred"
+        );
+        assert_eq!(pod_nlu.node_selector.as_ref().unwrap()["pool"], "workers");
+        assert_eq!(pod(llm).node_selector.as_ref().unwrap()["pool"], "gpu");
+        assert_eq!(
+            pod_nlu.tolerations.as_ref().unwrap()[0].key.as_deref(),
+            Some("spot")
+        );
+        assert!(pod_nlu.affinity.as_ref().unwrap().node_affinity.is_some());
+        assert_eq!(
+            pod_nlu.topology_spread_constraints.as_ref().unwrap().len(),
+            1
+        );
+        assert_eq!(pod_nlu.priority_class_name.as_deref(), Some("pipelines"));
+        let volumes: Vec<&str> = pod_nlu
+            .volumes
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|v| v.name.as_str())
+            .collect();
+        assert_eq!(volumes, ["config", "scratch"]);
+        let c = container(nlu);
+        let mounts: Vec<&str> = c
+            .volume_mounts
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|m| m.mount_path.as_str())
+            .collect();
+        assert_eq!(mounts, ["/etc/sessionflow", "/scratch"]);
+        let env = |p: &StagePlan| container(p).env.clone().unwrap();
+        assert_eq!(env(nlu)[0].value.as_deref(), Some("info"));
+        assert_eq!(env(llm)[0].value.as_deref(), Some("debug"));
+        assert_eq!(c.env_from.as_ref().unwrap().len(), 1);
+        // The override is merged over the baseline, which stays.
+        let sc = c.security_context.as_ref().unwrap();
+        assert_eq!(sc.run_as_user, Some(1000));
+        assert_eq!(sc.run_as_non_root, Some(true));
+        assert_eq!(sc.read_only_root_filesystem, Some(true));
+        assert_eq!(sc.allow_privilege_escalation, Some(false));
+        assert_eq!(
+            sc.capabilities.as_ref().unwrap().drop.as_deref(),
+            Some(&["ALL".to_string()][..])
+        );
+        // A template change rolls the pods (the pod template changes), not the config.
+        let before = plan(&pipeline(&["nlu", "llm"]), &defaults()).unwrap();
+        assert_ne!(
+            applied_hash(&before[0].deployment),
+            applied_hash(&nlu.deployment)
+        );
+        assert_eq!(
+            applied_hash(&before[0].config_map),
+            applied_hash(&nlu.config_map)
+        );
+    }
+
+    #[test]
+    fn template_refusals_name_the_template_they_come_from() {
+        let mut sp = pipeline(&["nlu", "llm"]);
+        sp.spec.stages[1].template = Some(yaml("securityContext: { privileged: true }"));
+        let err = plan(&sp, &defaults()).unwrap_err();
+        assert_eq!(
+            err.field,
+            "spec.stages[1].template.securityContext.privileged"
+        );
+        let mut sp = pipeline(&["nlu"]);
+        sp.spec.worker_template = Some(yaml("volumes: [{ name: h, hostPath: { path: / } }]"));
+        let err = plan(&sp, &defaults()).unwrap_err();
+        assert_eq!(err.field, "spec.workerTemplate.volumes[0].hostPath");
+        // A mount of a volume no template declares.
+        let mut sp = pipeline(&["nlu"]);
+        sp.spec.worker_template = Some(yaml("volumes: [{ name: a, emptyDir: {} }]"));
+        sp.spec.stages[0].template = Some(yaml(
+            "volumeMounts: [{ name: a, mountPath: /a }, { name: b, mountPath: /b }]",
+        ));
+        let err = plan(&sp, &defaults()).unwrap_err();
+        assert_eq!(
+            err.field, "spec.stages[0].template.volumeMounts[1].name",
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn sidecars_run_as_native_sidecars_beside_the_worker() {
+        let mut sp = pipeline(&["nlu"]);
+        sp.spec.stages[0].handler = sessionflow_worker::config::HandlerConfig::Http(
+            sessionflow_worker::config::HttpHandlerConfig {
+                url: "http://localhost:8080/handle".into(),
+                timeout_ms: 1000,
+            },
+        );
+        sp.spec.stages[0].template = Some(yaml(
+            r#"
+sidecars:
+  - name: handler
+    image: example/nlu:1
+    ports: [{ name: http, containerPort: 8080 }]
+    readinessProbe: { httpGet: { path: /ready, port: 8080 } }
+    securityContext: { readOnlyRootFilesystem: false }
+"#,
+        ));
+        let p = &plan(&sp, &defaults()).unwrap()[0];
+        let pod = pod(p);
+        assert_eq!(
+            pod.containers.len(),
+            1,
+            "the worker is the only main container"
+        );
+        let init = pod.init_containers.as_ref().unwrap();
+        assert_eq!(init.len(), 1);
+        let handler = &init[0];
+        assert_eq!(handler.name, "handler");
+        assert_eq!(handler.restart_policy.as_deref(), Some("Always"));
+        assert!(handler.readiness_probe.is_some());
+        let sc = handler.security_context.as_ref().unwrap();
+        assert_eq!(
+            sc.read_only_root_filesystem,
+            Some(false),
+            "its own override"
+        );
+        assert_eq!(sc.run_as_non_root, Some(true), "the baseline");
+        assert_eq!(sc.allow_privilege_escalation, Some(false));
+        assert_eq!(p.config.handler, sp.spec.stages[0].handler);
+        // Without sidecars there are no init containers at all.
+        assert!(
+            super::tests::pod(&plan(&pipeline(&["nlu"]), &defaults()).unwrap()[0])
+                .init_containers
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn every_stage_gets_a_disruption_budget_unless_turned_off() {
+        let mut sp = pipeline(&["nlu", "llm", "tts"]);
+        sp.spec.stages[1].disruption_budget = Some(yaml("maxUnavailable: 25%"));
+        sp.spec.stages[2].disruption_budget = Some(yaml("enabled: false"));
+        let plans = plan(&sp, &defaults()).unwrap();
+        let budget = plans[0].disruption_budget.as_ref().unwrap();
+        assert_eq!(budget.metadata.name.as_deref(), Some("chat-nlu"));
+        let spec = budget.spec.as_ref().unwrap();
+        assert_eq!(
+            spec.max_unavailable,
+            Some(IntOrString::Int(1)),
+            "the default"
+        );
+        assert_eq!(spec.min_available, None);
+        assert_eq!(
+            spec.selector.as_ref().unwrap().match_labels,
+            plans[0]
+                .deployment
+                .spec
+                .as_ref()
+                .unwrap()
+                .selector
+                .match_labels,
+            "it selects exactly the stage's pods"
+        );
+        let spec = plans[1]
+            .disruption_budget
+            .as_ref()
+            .unwrap()
+            .spec
+            .as_ref()
+            .unwrap();
+        assert_eq!(
+            spec.max_unavailable,
+            Some(IntOrString::String("25%".into()))
+        );
+        assert!(plans[2].disruption_budget.is_none());
+        // The pipeline-wide setting applies to stages that set none.
+        sp.spec.disruption_budget = Some(yaml("maxUnavailable: 2"));
+        let plans = plan(&sp, &defaults()).unwrap();
+        let max = |p: &StagePlan| {
+            p.disruption_budget
+                .as_ref()
+                .map(|b| b.spec.clone().unwrap().max_unavailable)
+        };
+        assert_eq!(max(&plans[0]), Some(Some(IntOrString::Int(2))));
+        assert_eq!(
+            max(&plans[1]),
+            Some(Some(IntOrString::String("25%".into())))
+        );
+        sp.spec.stages[1].disruption_budget = Some(yaml("maxUnavailable: most"));
+        let err = plan(&sp, &defaults()).unwrap_err();
+        assert_eq!(err.field, "spec.stages[1].disruptionBudget.maxUnavailable");
+    }
+
+    #[test]
+    fn manifests_are_every_object_in_apply_order() {
+        let sp = pipeline(&["nlu"]);
+        let text = manifests(&sp, &defaults()).unwrap();
+        let kinds: Vec<String> = text
+            .split("---\n")
+            .filter(|d| !d.trim().is_empty())
+            .map(|d| yaml::<Value>(d)["kind"].as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(
+            kinds,
+            ["ConfigMap", "Deployment", "Service", "PodDisruptionBudget"]
+        );
+    }
+
+    #[test]
+    fn sasl_plain_without_tls_is_refused_unless_allowed() {
+        let mut sp = pipeline(&["nlu"]);
+        sp.spec.kafka.sasl = Some(SaslSpec {
+            mechanism: SaslMechanism::Plain,
+            secret_name: "kafka-user".into(),
+            username_key: "username".into(),
+            password_key: "password".into(),
+            allow_plain_without_tls: false,
+        });
+        let err = plan(&sp, &defaults()).unwrap_err();
+        assert_eq!(err.field, "spec.kafka.sasl.mechanism");
+        assert!(err.message.contains("clear text"), "{err}");
+        sp.spec.kafka.sasl.as_mut().unwrap().allow_plain_without_tls = true;
+        plan(&sp, &defaults()).unwrap();
+        sp.spec.kafka.sasl.as_mut().unwrap().allow_plain_without_tls = false;
+        sp.spec.kafka.tls = Some(TlsSpec {
+            secret_name: "kafka-tls".into(),
+            ca_key: "ca.crt".into(),
+            cert_key: None,
+            key_key: None,
+        });
+        plan(&sp, &defaults()).unwrap();
+    }
+
+    #[test]
+    fn images_outside_the_allowed_prefixes_are_refused_where_they_are_named() {
+        let allowed = Defaults {
+            worker_image: "registry.example.com/sessionflow/worker:1".into(),
+            log_format: "json".into(),
+            allowed_images: vec![
+                "registry.example.com/sessionflow/".into(),
+                "registry.example.com/handlers/".into(),
+            ],
+        };
+        let mut sp = pipeline(&["nlu", "llm"]);
+        plan(&sp, &allowed).unwrap();
+        sp.spec.stages[0].template = Some(yaml(
+            "sidecars: [{ name: h, image: registry.example.com/handlers/nlu:2 }]",
+        ));
+        plan(&sp, &allowed).unwrap();
+        sp.spec.worker_template = Some(yaml(
+            "sidecars: [{ name: x, image: docker.io/attacker/x:1 }]",
+        ));
+        let err = plan(&sp, &allowed).unwrap_err();
+        assert_eq!(err.field, "spec.workerTemplate.sidecars[0].image", "{err}");
+        sp.spec.worker_template = None;
+        sp.spec.worker_image = Some("docker.io/library/busybox".into());
+        let err = plan(&sp, &allowed).unwrap_err();
+        assert_eq!(err.field, "spec.workerImage", "{err}");
+        sp.spec.worker_image = None;
+        sp.spec.stages[1].image = Some("registry.example.com/sessionflowx/w:1".into());
+        let err = plan(&sp, &allowed).unwrap_err();
+        assert_eq!(err.field, "spec.stages[1].image", "{err}");
+        let mut strict = allowed.clone();
+        strict.worker_image = "ghcr.io/sessionflow/worker:1".into();
+        let err = plan(&pipeline(&["nlu"]), &strict).unwrap_err();
+        assert_eq!(
+            err.field, "spec.stages[0].image (the operator's --worker-image)",
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn the_secrets_versions_roll_the_pods_and_only_the_pods() {
+        let sp = pipeline(&["nlu"]);
+        let at = |versions: &[(String, String)]| {
+            plan_with_secrets(&sp, &defaults(), versions)
+                .unwrap()
+                .remove(0)
+        };
+        let v1 = at(&[("kafka-user".into(), "41".into())]);
+        let v2 = at(&[("kafka-user".into(), "97".into())]);
+        let annotation = |p: &StagePlan| {
+            p.deployment
+                .spec
+                .as_ref()
+                .unwrap()
+                .template
+                .metadata
+                .as_ref()
+                .unwrap()
+                .annotations
+                .as_ref()
+                .unwrap()
+                .get(SECRETS_HASH)
+                .cloned()
+        };
+        assert!(annotation(&v1).is_some());
+        assert_ne!(annotation(&v1), annotation(&v2));
+        assert_eq!(annotation(&at(&[])), None);
+        assert_eq!(applied_hash(&v1.config_map), applied_hash(&v2.config_map));
+        assert_ne!(applied_hash(&v1.deployment), applied_hash(&v2.deployment));
     }
 
     #[test]

@@ -130,6 +130,9 @@ pub type Assigned = std::sync::Arc<std::sync::Mutex<std::collections::BTreeSet<i
 /// loop is busy draining.
 pub struct LagReporter {
     pub brokers: String,
+    /// The stage's extra librdkafka properties (the consumer's): security protocol, SASL
+    /// and TLS settings among them, so the reporter reaches the brokers the consumer reaches.
+    pub kafka: Vec<(String, String)>,
     pub group: String,
     pub topic: String,
     pub interval: Duration,
@@ -148,13 +151,22 @@ impl LagReporter {
             .spawn(move || self.run(stop))
     }
 
-    fn run(self, stop: tokio_util::sync::CancellationToken) {
-        let consumer: BaseConsumer = match ClientConfig::new()
+    /// The reporter's client: the consumer's properties, then what makes it a reader that
+    /// never joins or commits.
+    fn client_config(&self) -> ClientConfig {
+        let mut config = ClientConfig::new();
+        for (k, v) in &self.kafka {
+            config.set(k, v);
+        }
+        config
             .set("bootstrap.servers", &self.brokers)
             .set("group.id", &self.group)
-            .set("enable.auto.commit", "false")
-            .create()
-        {
+            .set("enable.auto.commit", "false");
+        config
+    }
+
+    fn run(self, stop: tokio_util::sync::CancellationToken) {
+        let consumer: BaseConsumer = match self.client_config().create() {
             Ok(c) => c,
             Err(e) => {
                 tracing::error!(error = %e, "lag reporter could not create its client");
@@ -193,6 +205,42 @@ impl LagReporter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_reporter_connects_with_the_consumers_security_settings() {
+        let reporter = LagReporter {
+            brokers: "kafka:9093".into(),
+            kafka: vec![
+                ("security.protocol".into(), "SASL_SSL".into()),
+                ("sasl.mechanisms".into(), "SCRAM-SHA-512".into()),
+                ("sasl.username".into(), "svc".into()),
+                (
+                    "ssl.ca.location".into(),
+                    "/etc/sessionflow/kafka-tls/ca.crt".into(),
+                ),
+                ("enable.auto.commit".into(), "true".into()),
+            ],
+            group: "g".into(),
+            topic: "t".into(),
+            interval: Duration::from_secs(1),
+            assigned: Assigned::default(),
+            metrics: crate::metrics::Metrics::new("t"),
+        };
+        let config = reporter.client_config();
+        assert_eq!(config.get("security.protocol"), Some("SASL_SSL"));
+        assert_eq!(config.get("sasl.mechanisms"), Some("SCRAM-SHA-512"));
+        assert_eq!(config.get("sasl.username"), Some("svc"));
+        assert_eq!(
+            config.get("ssl.ca.location"),
+            Some("/etc/sessionflow/kafka-tls/ca.crt")
+        );
+        assert_eq!(config.get("bootstrap.servers"), Some("kafka:9093"));
+        assert_eq!(
+            config.get("enable.auto.commit"),
+            Some("false"),
+            "never commits"
+        );
+    }
 
     fn lag(low: i64, high: i64, committed: Option<i64>) -> i64 {
         PartitionLag {

@@ -158,6 +158,7 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
     let assigned = Assigned::default();
     let lag_thread = LagReporter {
         brokers: config.brokers.clone(),
+        kafka: extra.clone(),
         group: config.group_id(),
         topic: config.input.clone(),
         interval: Duration::from_millis(config.lag_interval_ms),

@@ -107,7 +107,12 @@ async fn every_example_pipeline_is_accepted_and_defaulted() {
     };
     let namespace = unique("crd-examples");
     let mut names = Vec::new();
-    for file in ["one-stage.yaml", "conversational.yaml", "secure.yaml"] {
+    for file in [
+        "one-stage.yaml",
+        "conversational.yaml",
+        "secure.yaml",
+        "sidecar.yaml",
+    ] {
         let example = yaml(&repo_file(&format!("examples/k8s/{file}")));
         let created = create(&client, &namespace, &example)
             .await
@@ -123,7 +128,25 @@ async fn every_example_pipeline_is_accepted_and_defaulted() {
     let stage = &minimal.spec.stages[0];
     assert_eq!((stage.replicas.min, stage.replicas.max), (1, 1));
     assert_eq!(stage.autoscaling.scale_down_stabilization_secs, 300);
-    assert_eq!(names, ["minimal", "assistant", "secure"]);
+    assert_eq!(names, ["minimal", "assistant", "secure", "helpdesk"]);
+    // The pod template survives the schema (nothing pruned): sidecars, probes, budgets.
+    let helpdesk = pipelines(&client, &namespace)
+        .get("helpdesk")
+        .await
+        .unwrap();
+    let stage = &helpdesk.spec.stages[0];
+    let template = stage.template.as_ref().expect("template kept");
+    assert_eq!(template.sidecars[0].name, "handler");
+    assert!(template.sidecars[0].startup_probe.is_some());
+    assert_eq!(
+        template.service_account_name.as_deref(),
+        Some("helpdesk-reply")
+    );
+    let budget = stage.disruption_budget.as_ref().unwrap();
+    assert!(budget.enabled, "defaulted");
+    let pipeline_wide = helpdesk.spec.worker_template.as_ref().unwrap();
+    assert_eq!(pipeline_wide.tolerations.len(), 1);
+    assert_eq!(pipeline_wide.topology_spread_constraints.len(), 1);
 }
 
 /// One valid pipeline to break one field at a time.
@@ -240,6 +263,49 @@ async fn invalid_pipelines_are_rejected_with_a_message_naming_the_field() {
             "no stages",
             |v| v["spec"]["stages"] = json!([]),
             &["spec.stages", "at least 1"],
+        ),
+        (
+            "worker as root",
+            |v| v["spec"]["workerTemplate"] = json!({"securityContext": {"runAsNonRoot": false}}),
+            &[
+                "spec.workerTemplate.securityContext",
+                "workers run as non-root",
+            ],
+        ),
+        (
+            "stage runs as uid 0",
+            |v| v["spec"]["stages"][0]["template"] = json!({"securityContext": {"runAsUser": 0}}),
+            &[
+                "spec.stages[0].template.securityContext",
+                "runAsUser cannot be 0",
+            ],
+        ),
+        (
+            "privileged",
+            |v| {
+                v["spec"]["stages"][1]["template"] =
+                    json!({"securityContext": {"privileged": true}})
+            },
+            &[
+                "spec.stages[1].template.securityContext",
+                "privileged containers and privilege escalation are not allowed",
+            ],
+        ),
+        (
+            "negative budget",
+            |v| v["spec"]["stages"][0]["disruptionBudget"] = json!({"maxUnavailable": -1}),
+            &[
+                "spec.stages[0].disruptionBudget.maxUnavailable",
+                "a number ≥ 0 or a percentage",
+            ],
+        ),
+        (
+            "budget not a percentage",
+            |v| v["spec"]["disruptionBudget"] = json!({"maxUnavailable": "most"}),
+            &[
+                "spec.disruptionBudget.maxUnavailable",
+                "a number ≥ 0 or a percentage",
+            ],
         ),
         (
             "names too long",
