@@ -6,11 +6,14 @@
 //! with [`timeouts`] (pure); [`reconciler`] applies them with server-side apply and reports
 //! conditions; [`autoscale`] decides replica counts from lag (pure); [`scaler`] is the loop
 //! that reads lag through [`kafka`], applies the decisions and reports them; [`metrics`] and
-//! [`server`] expose what it sees.
+//! [`server`] expose what it sees, [`liveness`] whether the autoscaler loop still completes
+//! passes; [`leader`] makes one replica of several the one that works.
 
 pub mod autoscale;
 pub mod crd;
 pub mod kafka;
+pub mod leader;
+pub mod liveness;
 pub mod metrics;
 pub mod reconciler;
 pub mod reference;

@@ -13,10 +13,12 @@ use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::{watcher, Controller};
 use kube::{Api, Client};
 use sessionflow_operator::crd::{self, SessionPipeline};
+use sessionflow_operator::leader::{self, Leadership};
+use sessionflow_operator::liveness::PassClock;
 use sessionflow_operator::metrics::Metrics;
 use sessionflow_operator::reconciler::{self, Context};
 use sessionflow_operator::render::{Defaults, MANAGER};
-use sessionflow_operator::scaler::Scaler;
+use sessionflow_operator::scaler::{self, Scaler};
 use sessionflow_operator::server;
 
 #[derive(Parser)]
@@ -60,6 +62,12 @@ struct RunArgs {
     /// The workers' log format.
     #[arg(long, env = "SESSIONFLOW_WORKER_LOG_FORMAT", value_enum, default_value_t = LogFormat::Json)]
     worker_log_format: LogFormat,
+    /// Compete for a Lease so that, of several replicas, only the holder reconciles and scales.
+    #[arg(long, env = "SESSIONFLOW_LEADER_ELECTION")]
+    leader_election: bool,
+    /// Namespace of the Lease (the operator's own; required with --leader-election).
+    #[arg(long, env = "POD_NAMESPACE")]
+    lease_namespace: Option<String>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -121,8 +129,41 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let client = Client::try_default().await?;
     let metrics = Metrics::new();
     let ready = Arc::new(AtomicBool::new(false));
-    let (addr, _server) = server::serve(args.metrics_addr, metrics.clone(), ready.clone()).await?;
+    let interval = Duration::from_secs(args.scale_interval_secs);
+    let passes = Arc::new(PassClock::new(
+        interval,
+        scaler::lag_deadline(interval),
+        std::time::Instant::now(),
+    ));
+    let (addr, _server) = server::serve(
+        args.metrics_addr,
+        metrics.clone(),
+        ready.clone(),
+        passes.clone(),
+    )
+    .await?;
     tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
+    let (leadership, election) = if args.leader_election {
+        let namespace = args.lease_namespace.as_deref().ok_or_else(|| {
+            anyhow::anyhow!("--leader-election needs --lease-namespace (or POD_NAMESPACE)")
+        })?;
+        let identity = std::env::var("POD_NAME").map_err(|_| {
+            anyhow::anyhow!("--leader-election needs POD_NAME (the replica's identity)")
+        })?;
+        let (leadership, election) = leader::elect(
+            client.clone(),
+            namespace,
+            leader::LEASE_NAME,
+            &identity,
+            leader::LEASE_SECONDS,
+            leader::RENEW_BEFORE_SECONDS,
+        )
+        .await?;
+        tracing::info!(%namespace, lease = leader::LEASE_NAME, %identity, "competing for the operator lease");
+        (leadership, Some(election))
+    } else {
+        (Leadership::always(), None)
+    };
 
     let (pipelines, deployments) = match &args.namespace {
         Some(ns) => (
@@ -139,25 +180,28 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         worker_image: args.worker_image,
         log_format: args.worker_log_format.as_str().into(),
     };
-    let ctx = Arc::new(Context::new(
-        client.clone(),
-        defaults,
-        metrics.clone(),
-        reporter.clone(),
-    ));
-    let controller = Controller::new(pipelines, watcher::Config::default()).owns(
-        deployments,
-        watcher::Config::default().labels(&format!("app.kubernetes.io/managed-by={MANAGER}")),
+    let ctx = Arc::new(
+        Context::new(client.clone(), defaults, metrics.clone(), reporter.clone())
+            .with_leadership(leadership.clone()),
     );
+    let controller = Controller::new(pipelines, watcher::Config::default())
+        .owns(
+            deployments,
+            watcher::Config::default().labels(&format!("app.kubernetes.io/managed-by={MANAGER}")),
+        )
+        // A standby's reconciles do nothing; the new leader catches up on every pipeline.
+        .reconcile_all_on(leadership.gained());
     let store = controller.store();
     let scaler = Scaler::new(
         client.clone(),
         store.clone(),
         metrics,
         Recorder::new(client, reporter),
-        Duration::from_secs(args.scale_interval_secs),
+        interval,
         ctx.scaler_wake.clone(),
-    );
+    )
+    .with_leadership(leadership.clone())
+    .with_pass_clock(passes);
     tokio::spawn(async move {
         // kube's store readiness wakes only its most recent waiter (the controller's own), so
         // poll again on a timer rather than waiting once.
@@ -177,15 +221,25 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             Err(error) => tracing::error!(%error, "SessionPipeline cache never synced"),
         }
     });
-    controller
+    let controller = controller
         .shutdown_on_signal()
         .run(reconciler::reconcile, reconciler::error_policy, ctx)
         .for_each(|result| async move {
             if let Err(error) = result {
                 tracing::debug!(%error, "reconcile result");
             }
-        })
-        .await;
-    tracing::info!("stopped");
-    Ok(())
+        });
+    tokio::select! {
+        _ = controller => {
+            if let Some(election) = election {
+                election.release().await;
+            }
+            tracing::info!("stopped");
+            Ok(())
+        }
+        _ = leadership.lost() => {
+            // Work in flight ends with the process; the restarted one waits as a standby.
+            anyhow::bail!("lost the operator lease")
+        }
+    }
 }

@@ -30,6 +30,7 @@ use tokio::sync::Notify;
 
 use crate::crd::{SessionPipeline, SessionPipelineStatus};
 use crate::kafka::{Connection, CredentialError};
+use crate::leader::Leadership;
 use crate::metrics::Metrics;
 use crate::render::{self, Defaults, SpecError, StagePlan, MANAGER, PIPELINE_LABEL, STAGE_LABEL};
 
@@ -49,6 +50,8 @@ pub struct Context {
     topics_ensured: Mutex<HashSet<(String, i64)>>,
     /// Consecutive failures per pipeline uid, for the backoff.
     failures: Mutex<HashMap<String, u32>>,
+    /// Only the leader reconciles ([`crate::leader`]).
+    pub leadership: Leadership,
 }
 
 impl Context {
@@ -61,7 +64,13 @@ impl Context {
             scaler_wake: Arc::new(Notify::new()),
             topics_ensured: Mutex::default(),
             failures: Mutex::default(),
+            leadership: Leadership::always(),
         }
+    }
+
+    /// Reconciles only while `leadership` says this replica leads.
+    pub fn with_leadership(self, leadership: Leadership) -> Self {
+        Self { leadership, ..self }
     }
 }
 
@@ -83,6 +92,10 @@ pub enum Error {
 
 /// One reconcile of `sp`.
 pub async fn reconcile(sp: Arc<SessionPipeline>, ctx: Arc<Context>) -> Result<Action, Error> {
+    if !ctx.leadership.is_leader() {
+        // A standby: no call at all. Gaining the lease reconciles every pipeline.
+        return Ok(Action::await_change());
+    }
     let started = Instant::now();
     let result = converge(&sp, &ctx).await;
     ctx.metrics
