@@ -19,7 +19,6 @@ use tokio::sync::Notify;
 use super::*;
 use crate::crd::{AutoscalingMode, SaslMechanism, SaslSpec};
 use crate::fixtures::{mock_client, pipeline, ApiServer, Seen};
-use crate::leader::Leadership;
 use crate::liveness::PassClock;
 
 const DEP: &str = "/apis/apps/v1/namespaces/shop/deployments/chat-nlu";
