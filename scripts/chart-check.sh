@@ -8,8 +8,10 @@
 #      to kubernetes-validate --strict -k $KUBE_VERSION (the Prometheus Operator kinds
 #      ServiceMonitor and PodMonitor have no schema there: they are left out of that step and
 #      checked structurally in step 5 instead);
-#   5. structural checks of the rendered objects (RBAC rules = files/operator-rules.yaml,
-#      one replica + Recreate, flags, probes, security context, monitors, dashboard);
+#   5. structural checks of the rendered objects (RBAC rules = files/operator-rules.yaml, the
+#      leader-election Role = files/leader-election-rules.yaml in the release namespace, two
+#      replicas + RollingUpdate with leader election and one + Recreate without, flags,
+#      probes, security context, monitors, dashboard);
 #   6. values.schema.json rejects bad values (a wrong log format, a list of namespaces, an
 #      unknown top-level key);
 #   7. every object the operator renders for examples/k8s/*.yaml (`sessionflow-operator
@@ -118,9 +120,10 @@ say "helm lint --strict"
 
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-for set in default all-features; do
+for set in default all-features single; do
   args=()
   [[ $set == all-features ]] && args=(-f "$ALL_FEATURES")
+  [[ $set == single ]] && args=(--set leaderElection.enabled=false)
   say "helm template ($set values) | kubernetes-validate --strict -k $KUBE_VERSION"
   "$HELM" template sessionflow "$CHART" --namespace sessionflow-system --include-crds \
     --kube-version "$KUBE_VERSION" "${args[@]}" >"$out/$set.yaml" ||
@@ -140,10 +143,10 @@ PY
 done
 
 say "structural checks"
-"$PY" - "$out/default.yaml" "$out/all-features.yaml" "$CHART" <<'PY' || fail "structural checks"
+"$PY" - "$out/default.yaml" "$out/all-features.yaml" "$CHART" "$out/single.yaml" <<'PY' || fail "structural checks"
 import json, sys, yaml
 
-default_path, all_path, chart = sys.argv[1:4]
+default_path, all_path, chart, single_path = sys.argv[1:5]
 errors = []
 
 def check(cond, msg):
@@ -158,15 +161,51 @@ def load(path):
     return objs
 
 rules = yaml.safe_load(open(f"{chart}/files/operator-rules.yaml"))
+le_rules = yaml.safe_load(open(f"{chart}/files/leader-election-rules.yaml"))
 crd = yaml.safe_load(open(f"{chart}/crds/sessionpipeline.yaml"))
 dashboard = json.load(open(f"{chart}/dashboards/sessionflow.json"))
 
-def common(objs, name, watch):
-    check(objs.get("CustomResourceDefinition") == [crd], f"{name}: the rendered CRD is not crds/sessionpipeline.yaml")
+def leader_election(objs, name, elected):
+    """Takes the leader-election Role and RoleBinding out of `objs` and checks them."""
+    def take(kind):
+        mine = [o for o in objs.get(kind, []) if o["metadata"]["name"].endswith("-leader-election")]
+        rest = [o for o in objs.get(kind, []) if o not in mine]
+        if rest:
+            objs[kind] = rest
+        else:
+            objs.pop(kind, None)
+        return mine
+    roles, bindings = take("Role"), take("RoleBinding")
     (dep,) = objs["Deployment"]
     spec = dep["spec"]
-    check(spec["replicas"] == 1, f"{name}: replicas != 1")
-    check(spec["strategy"] == {"type": "Recreate"}, f"{name}: strategy is not Recreate")
+    (c,) = spec["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in c.get("env", [])}
+    check(env.get("POD_NAMESPACE", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.namespace",
+          f"{name}: POD_NAMESPACE not from metadata.namespace")
+    if not elected:
+        check(spec["replicas"] == 1, f"{name}: replicas != 1 without leader election")
+        check(spec["strategy"] == {"type": "Recreate"}, f"{name}: strategy is not Recreate without leader election")
+        check("--leader-election" not in c["args"], f"{name}: --leader-election without leaderElection.enabled")
+        check(not roles and not bindings, f"{name}: leader-election RBAC without leader election")
+        return
+    check(spec["replicas"] == 2, f"{name}: replicas != 2 with leader election")
+    check(spec["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+          f"{name}: strategy {spec['strategy']}")
+    check("--leader-election" in c["args"], f"{name}: no --leader-election")
+    check(len(roles) == 1 and len(bindings) == 1, f"{name}: one leader-election Role and RoleBinding expected")
+    if len(roles) == 1 and len(bindings) == 1:
+        (role,), (binding,) = roles, bindings
+        check(role["rules"] == le_rules, f"{name}: leader-election rules differ from files/leader-election-rules.yaml")
+        check(role["metadata"]["namespace"] == "sessionflow-system", f"{name}: leader-election Role not in the release namespace")
+        check(binding["metadata"]["namespace"] == "sessionflow-system", f"{name}: leader-election binding namespace")
+        check(binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]},
+              f"{name}: leader-election roleRef")
+
+def common(objs, name, watch, elected=True):
+    check(objs.get("CustomResourceDefinition") == [crd], f"{name}: the rendered CRD is not crds/sessionpipeline.yaml")
+    leader_election(objs, name, elected)
+    (dep,) = objs["Deployment"]
+    spec = dep["spec"]
     pod = spec["template"]["spec"]
     (c,) = pod["containers"]
     args = c["args"]
@@ -205,7 +244,7 @@ def common(objs, name, watch):
               f"{name}: roleRef")
         check(binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": sa["metadata"]["namespace"]}],
               f"{name}: subjects")
-    check("Lease" not in json.dumps(rules), f"{name}: a Lease rule (no leader election yet)")
+    check("leases" not in json.dumps(rules), f"{name}: a Lease rule among the namespace-wide rules")
     (svc,) = objs["Service"]
     check(svc["spec"]["ports"] == [{"name": "metrics", "port": 8080, "targetPort": "metrics", "protocol": "TCP"}], f"{name}: service ports")
     labels = spec["template"]["metadata"]["labels"]
@@ -221,6 +260,7 @@ for kind in ("ServiceMonitor", "PodMonitor", "ConfigMap"):
 (dep,) = d["Deployment"]
 check(not any(a.startswith("--allowed-images") for a in dep["spec"]["template"]["spec"]["containers"][0]["args"]),
       "default: --allowed-images set although allowedImages is empty")
+common(load(single_path), "single", None, elected=False)
 
 a = load(all_path)
 svc = common(a, "all-features", "pipelines")

@@ -4,7 +4,10 @@
 //! - The recommendation is `clamp(ceil(effective lag / lagPerReplica), min, min(max,
 //!   partitions))`; `min` wins over the partition cap (idle replicas are what the user asked
 //!   for).
-//! - Up at once: a recommendation above the current count is applied immediately.
+//! - Up at once: a recommendation above the current count is applied immediately, by at most
+//!   `scale_up_max_step` replicas per evaluation when that is set (bringing the count up to
+//!   `min` is never limited), so a lag spike does not start a crowd of pods that each trigger a
+//!   rebalance of the group at once.
 //! - Down only when stable: the stage scales down to the *highest* recommendation of the last
 //!   `scaleDownStabilizationSecs`, and not before it has been watched for a whole window, so a
 //!   brief dip in lag never sheds replicas that the next burst needs (no flapping).
@@ -21,6 +24,8 @@ pub struct Policy {
     pub max: u32,
     pub lag_per_replica: u64,
     pub scale_down_window: Duration,
+    /// Most replicas one evaluation adds; `None`: no limit.
+    pub scale_up_max_step: Option<u32>,
 }
 
 /// What was read from Kafka.
@@ -45,6 +50,12 @@ pub enum Reason {
     Steady,
     /// Lag asks for more replicas.
     LagAbove { lag: u64, per_replica: u64 },
+    /// Lag asks for `recommended`; this evaluation adds at most `step`.
+    StepLimited {
+        lag: u64,
+        recommended: u32,
+        step: u32,
+    },
     /// Every recommendation of the window is lower.
     LagBelow { lag: u64, per_replica: u64 },
     /// Fewer replicas would do, but not for a whole window yet.
@@ -62,6 +73,14 @@ impl fmt::Display for Reason {
             Reason::LagAbove { lag, per_replica } => {
                 write!(f, "effective lag {lag} above {per_replica} per replica")
             }
+            Reason::StepLimited {
+                lag,
+                recommended,
+                step,
+            } => write!(
+                f,
+                "effective lag {lag} asks for {recommended} replicas; scale-up limited to {step} per pass"
+            ),
             Reason::LagBelow { lag, per_replica } => write!(
                 f,
                 "effective lag {lag} below {per_replica} per replica for the whole stabilization window"
@@ -133,12 +152,19 @@ pub fn decide(
     let lag = signal.effective_lag;
     let per_replica = policy.lag_per_replica;
     if recommended > current {
-        let reason = if current < policy.min {
+        let stepped = scale_up_limit(policy, current).map_or(recommended, |l| recommended.min(l));
+        let reason = if current < policy.min && stepped <= policy.min {
             bounds(policy)
+        } else if let (true, Some(step)) = (stepped < recommended, policy.scale_up_max_step) {
+            Reason::StepLimited {
+                lag,
+                recommended,
+                step,
+            }
         } else {
             Reason::LagAbove { lag, per_replica }
         };
-        return decision(recommended, reason);
+        return decision(stepped, reason);
     }
     let upper = policy.max.max(policy.min);
     if current > upper {
@@ -166,6 +192,14 @@ pub fn decide(
     }
 }
 
+/// The highest count one evaluation may reach from `current`: `current + step`, but never
+/// below `min` (reaching the lower bound is not a scale-up the policy limits).
+fn scale_up_limit(policy: &Policy, current: u32) -> Option<u32> {
+    policy
+        .scale_up_max_step
+        .map(|step| current.saturating_add(step.max(1)).max(policy.min))
+}
+
 fn bounds(policy: &Policy) -> Reason {
     Reason::Bounds {
         min: policy.min,
@@ -187,6 +221,7 @@ mod tests {
             max,
             lag_per_replica: 100,
             scale_down_window: 60 * SEC,
+            scale_up_max_step: None,
         }
     }
 
@@ -284,21 +319,88 @@ mod tests {
         assert_eq!(d.desired, 3);
     }
 
+    #[test]
+    fn a_scale_up_step_limits_each_pass_but_not_the_way_to_min() {
+        let p = Policy {
+            scale_up_max_step: Some(2),
+            ..policy(1, 10)
+        };
+        let mut h = History::default();
+        let d = decide(&p, Some(&signal(900, 10)), 1, &mut h, Duration::ZERO);
+        assert_eq!(
+            (d.desired, d.recommended, d.reason),
+            (
+                3,
+                Some(9),
+                Reason::StepLimited {
+                    lag: 900,
+                    recommended: 9,
+                    step: 2
+                }
+            )
+        );
+        let d = decide(&p, Some(&signal(900, 10)), 3, &mut h, SEC);
+        assert_eq!(d.desired, 5);
+        let d = decide(&p, Some(&signal(900, 10)), 7, &mut h, 2 * SEC);
+        assert_eq!(
+            (d.desired, d.reason),
+            (
+                9,
+                Reason::LagAbove {
+                    lag: 900,
+                    per_replica: 100
+                }
+            ),
+            "the last step reaches the recommendation"
+        );
+        // Below min (a raised min, or a count changed by hand): straight to min, then stepped.
+        let p = Policy {
+            scale_up_max_step: Some(1),
+            ..policy(4, 10)
+        };
+        let d = decide(&p, Some(&signal(0, 10)), 0, &mut h, 3 * SEC);
+        assert_eq!(
+            (d.desired, d.reason),
+            (4, Reason::Bounds { min: 4, max: 10 })
+        );
+        let d = decide(&p, Some(&signal(900, 10)), 0, &mut h, 4 * SEC);
+        assert_eq!(
+            (d.desired, d.reason),
+            (4, Reason::Bounds { min: 4, max: 10 })
+        );
+        let d = decide(&p, Some(&signal(900, 10)), 4, &mut h, 5 * SEC);
+        assert_eq!(d.desired, 5);
+        assert!(
+            matches!(d.reason, Reason::StepLimited { step: 1, .. }),
+            "{:?}",
+            d.reason
+        );
+    }
+
     fn arb_policy() -> impl Strategy<Value = Policy> {
-        (0u32..5, 1u32..12, 1u64..500, 0u64..120).prop_map(|(min, span, per, window)| Policy {
-            min,
-            max: min.max(1) + span - 1,
-            lag_per_replica: per,
-            scale_down_window: Duration::from_secs(window),
-        })
+        (
+            0u32..5,
+            1u32..12,
+            1u64..500,
+            0u64..120,
+            prop::option::of(1u32..4),
+        )
+            .prop_map(|(min, span, per, window, step)| Policy {
+                min,
+                max: min.max(1) + span - 1,
+                lag_per_replica: per,
+                scale_down_window: Duration::from_secs(window),
+                scale_up_max_step: step,
+            })
     }
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(2_000))]
 
         /// Whatever the lag and the past, the count stays within the bounds, goes up at once
-        /// when the lag asks for more, and never goes down while any recommendation of the
-        /// last window (or a window not yet watched in full) asks for more.
+        /// when the lag asks for more (by at most the scale-up step, except to reach `min`),
+        /// and never goes down while any recommendation of the last window (or a window not
+        /// yet watched in full) asks for more.
         #[test]
         fn decisions_are_bounded_immediate_up_and_stable_down(
             p in arb_policy(),
@@ -324,7 +426,12 @@ mod tests {
                 prop_assert!(d.desired <= p.min.max(p.max.min(partitions)) || d.desired <= current,
                     "scaled above the partition cap");
                 if r > current {
-                    prop_assert_eq!(d.desired, r);
+                    let limit = p.scale_up_max_step.map_or(u32::MAX, |s| (current + s).max(p.min));
+                    prop_assert_eq!(d.desired, r.min(limit));
+                }
+                if let Some(step) = p.scale_up_max_step {
+                    prop_assert!(d.desired <= (current + step).max(p.min).max(current),
+                        "added {} replicas to {} with a step of {}", d.desired - current, current, step);
                 }
                 if d.desired < current && current <= upper {
                     prop_assert!(now - first >= p.scale_down_window,

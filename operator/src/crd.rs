@@ -354,9 +354,17 @@ impl Default for ReplicasSpec {
 }
 
 /// How the stage follows its lag.
-#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new("!has(self.mode) || self.mode == 'lag' || !has(self.scaleUpMaxStep)")
+        .message("autoscaling.scaleUpMaxStep applies to mode lag only (in mode external the external autoscaler sets the pace)")
+        .field_path(".scaleUpMaxStep")
+)]
 pub struct AutoscalingSpec {
+    /// Who sets the stage's replica count.
+    #[serde(default)]
+    pub mode: AutoscalingMode,
     /// Records of effective lag one replica is expected to absorb.
     #[serde(default = "defaults::lag_per_replica")]
     #[schemars(range(min = 1))]
@@ -365,15 +373,48 @@ pub struct AutoscalingSpec {
     #[serde(default = "defaults::scale_down_stabilization_secs")]
     #[schemars(range(min = 0, max = 86400))]
     pub scale_down_stabilization_secs: u32,
+    /// Most replicas one autoscaling pass adds; unset: up to the recommendation at once.
+    /// Bringing the count up to `replicas.min` is not limited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1000))]
+    pub scale_up_max_step: Option<u32>,
 }
 
 impl Default for AutoscalingSpec {
     fn default() -> Self {
         Self {
+            mode: AutoscalingMode::default(),
             lag_per_replica: defaults::lag_per_replica(),
             scale_down_stabilization_secs: defaults::scale_down_stabilization_secs(),
+            scale_up_max_step: None,
         }
     }
+}
+
+/// Who owns a stage Deployment's `spec.replicas`.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub enum AutoscalingMode {
+    /// The operator's autoscaler, from the lag it reads (`replicas`, `lagPerReplica`, …).
+    #[default]
+    Lag,
+    /// An external autoscaler (an HPA or a KEDA ScaledObject on the stage's Deployment, e.g.
+    /// on the metric `sessionflow_stage_effective_lag`): the operator never writes
+    /// `spec.replicas`, and still reads and exports the lag.
+    External,
+}
+
+/// Annotation on a SessionPipeline: `"true"` pauses the built-in autoscaler for that pipeline
+/// (replica counts are left as they are; lag is still read and exported).
+pub const AUTOSCALING_PAUSED_ANNOTATION: &str = "sessionflow.io/autoscaling-paused";
+
+/// Whether `sp` carries the pause annotation.
+pub fn autoscaling_paused(sp: &SessionPipeline) -> bool {
+    sp.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(AUTOSCALING_PAUSED_ANNOTATION))
+        .is_some_and(|v| v == "true")
 }
 
 /// What the operator observed. The reconciler writes `observedGeneration`, `conditions` and
@@ -383,7 +424,9 @@ impl Default for AutoscalingSpec {
 pub struct SessionPipelineStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// `Ready`, `Progressing`, `Degraded`.
+    /// `Ready`, `Progressing`, `Degraded` (the reconciler); `Autoscaling` (the autoscaler:
+    /// `True`/`Active`, or `False` with reason `Fallback` (lag cannot be read; the message
+    /// names the stage and the error) or `Paused`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
     /// Ready stages over all stages, e.g. `3/4`.

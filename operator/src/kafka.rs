@@ -7,10 +7,14 @@
 //! watermarks only), so paused, stalled or absent workers do not change what is measured.
 //! Lag readers are kept between autoscaling passes ([`LagReaders`]): a librdkafka client costs
 //! threads and broker connections, too much to create for every stage on every pass.
-//! librdkafka calls block, so they run on the blocking pool.
+//! librdkafka calls block, so they run on the blocking pool; a read the autoscaler stopped
+//! waiting for (its deadline passed) still holds its reader until librdkafka gives up, and the
+//! reader refuses to start a second read meanwhile, so an unreachable cluster costs one
+//! blocking thread per stage, not one more every pass.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::hash::{DefaultHasher, Hash, Hasher};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -188,6 +192,7 @@ impl Connection {
             .set("enable.auto.commit", "false");
         Ok(LagReader {
             consumer: Arc::new(config.create()?),
+            busy: Arc::default(),
         })
     }
 
@@ -203,14 +208,32 @@ impl Connection {
 #[derive(Clone)]
 pub struct LagReader {
     consumer: Arc<BaseConsumer>,
+    /// A read is running on the blocking pool (perhaps one nobody waits for any more).
+    busy: Arc<AtomicBool>,
+}
+
+/// Clears a reader's `busy` flag when its read ends, however it ends.
+struct Busy(Arc<AtomicBool>);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
 }
 
 impl LagReader {
-    /// Lag of the group on every partition of `topic`.
+    /// Lag of the group on every partition of `topic`. Fails at once while an earlier read
+    /// of this reader has not returned.
     pub async fn read(&self, topic: &str) -> anyhow::Result<Vec<PartitionLag>> {
+        anyhow::ensure!(
+            !self.busy.swap(true, Ordering::AcqRel),
+            "the previous lag read has not returned yet (the cluster does not answer)"
+        );
+        let busy = Busy(self.busy.clone());
         let consumer = self.consumer.clone();
         let topic = topic.to_string();
         tokio::task::spawn_blocking(move || {
+            let _busy = busy;
             // Serve what queued up since the last read (client errors and logs), so a reader
             // kept for days does not accumulate them.
             while consumer.poll(Duration::ZERO).is_some() {}

@@ -8,13 +8,17 @@
 //! (repairing what [`drift`] finds edited, never taking over what is not its own) and reports
 //! conditions, judging each stage with [`health`] (pure); [`autoscale`] decides replica
 //! counts from lag (pure); [`scaler`] is the loop that reads lag through [`kafka`], applies the
-//! decisions and reports them; [`metrics`] and [`server`] expose what it sees.
+//! decisions and reports them; [`metrics`] and [`server`] expose what it sees, [`liveness`]
+//! whether the autoscaler loop still completes passes; [`leader`] makes one replica of several
+//! the one that works.
 
 pub mod autoscale;
 pub mod crd;
 pub mod drift;
 pub mod health;
 pub mod kafka;
+pub mod leader;
+pub mod liveness;
 pub mod metrics;
 pub mod pod;
 pub mod reconciler;

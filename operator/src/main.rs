@@ -16,10 +16,12 @@ use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::{watcher, Controller};
 use kube::{Api, Client};
 use sessionflow_operator::crd::{self, SessionPipeline};
+use sessionflow_operator::leader::{self, Leadership};
+use sessionflow_operator::liveness::PassClock;
 use sessionflow_operator::metrics::Metrics;
 use sessionflow_operator::reconciler::{self, Context};
 use sessionflow_operator::render::{self, Defaults, MANAGER};
-use sessionflow_operator::scaler::Scaler;
+use sessionflow_operator::scaler::{self, Scaler};
 use sessionflow_operator::server;
 
 #[derive(Parser)]
@@ -95,6 +97,12 @@ struct RunArgs {
     /// A pipeline naming another image is InvalidSpec. Empty: any image.
     #[arg(long, env = "SESSIONFLOW_ALLOWED_IMAGES", value_delimiter = ',')]
     allowed_images: Vec<String>,
+    /// Compete for a Lease so that, of several replicas, only the holder reconciles and scales.
+    #[arg(long, env = "SESSIONFLOW_LEADER_ELECTION")]
+    leader_election: bool,
+    /// Namespace of the Lease (the operator's own; required with --leader-election).
+    #[arg(long, env = "POD_NAMESPACE")]
+    lease_namespace: Option<String>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -227,8 +235,41 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let client = Client::try_default().await?;
     let metrics = Metrics::new();
     let ready = Arc::new(AtomicBool::new(false));
-    let (addr, _server) = server::serve(args.metrics_addr, metrics.clone(), ready.clone()).await?;
+    let interval = Duration::from_secs(args.scale_interval_secs);
+    let passes = Arc::new(PassClock::new(
+        interval,
+        scaler::lag_deadline(interval),
+        std::time::Instant::now(),
+    ));
+    let (addr, _server) = server::serve(
+        args.metrics_addr,
+        metrics.clone(),
+        ready.clone(),
+        passes.clone(),
+    )
+    .await?;
     tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
+    let (leadership, election) = if args.leader_election {
+        let namespace = args.lease_namespace.as_deref().ok_or_else(|| {
+            anyhow::anyhow!("--leader-election needs --lease-namespace (or POD_NAMESPACE)")
+        })?;
+        let identity = std::env::var("POD_NAME").map_err(|_| {
+            anyhow::anyhow!("--leader-election needs POD_NAME (the replica's identity)")
+        })?;
+        let (leadership, election) = leader::elect(
+            client.clone(),
+            namespace,
+            leader::LEASE_NAME,
+            &identity,
+            leader::LEASE_SECONDS,
+            leader::RENEW_BEFORE_SECONDS,
+        )
+        .await?;
+        tracing::info!(%namespace, lease = leader::LEASE_NAME, %identity, "competing for the operator lease");
+        (leadership, Some(election))
+    } else {
+        (Leadership::always(), None)
+    };
 
     let pipelines = match &args.namespace {
         Some(ns) => Api::<SessionPipeline>::namespaced(client.clone(), ns),
@@ -243,26 +284,28 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         log_format: args.worker_log_format.as_str().into(),
         allowed_images: args.allowed_images,
     };
-    let ctx = Arc::new(Context::new(
-        client.clone(),
-        defaults,
-        metrics.clone(),
-        reporter.clone(),
-    ));
+    let ctx = Arc::new(
+        Context::new(client.clone(), defaults, metrics.clone(), reporter.clone())
+            .with_leadership(leadership.clone()),
+    );
+    // A standby's reconciles do nothing; the new leader catches up on every pipeline.
     let controller = owns_children(
         Controller::new(pipelines, watcher::Config::default()),
         &client,
         args.namespace.as_deref(),
-    );
+    )
+    .reconcile_all_on(leadership.gained());
     let store = controller.store();
     let scaler = Scaler::new(
         client.clone(),
         store.clone(),
         metrics,
         Recorder::new(client, reporter),
-        Duration::from_secs(args.scale_interval_secs),
+        interval,
         ctx.scaler_wake.clone(),
-    );
+    )
+    .with_leadership(leadership.clone())
+    .with_pass_clock(passes);
     tokio::spawn(async move {
         // kube's store readiness wakes only its most recent waiter (the controller's own), so
         // poll again on a timer rather than waiting once.
@@ -282,15 +325,25 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             Err(error) => tracing::error!(%error, "SessionPipeline cache never synced"),
         }
     });
-    controller
+    let controller = controller
         .shutdown_on_signal()
         .run(reconciler::reconcile, reconciler::error_policy, ctx)
         .for_each(|result| async move {
             if let Err(error) = result {
                 tracing::debug!(%error, "reconcile result");
             }
-        })
-        .await;
-    tracing::info!("stopped");
-    Ok(())
+        });
+    tokio::select! {
+        _ = controller => {
+            if let Some(election) = election {
+                election.release().await;
+            }
+            tracing::info!("stopped");
+            Ok(())
+        }
+        _ = leadership.lost() => {
+            // Work in flight ends with the process; the restarted one waits as a standby.
+            anyhow::bail!("lost the operator lease")
+        }
+    }
 }

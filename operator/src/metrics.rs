@@ -24,6 +24,7 @@ pub struct Metrics {
     pub lag_read_errors: IntCounterVec,
     pub reconciles: IntCounterVec,
     pub reconcile_seconds: HistogramVec,
+    pub scaler_pass_seconds: HistogramVec,
 }
 
 impl Default for Metrics {
@@ -91,6 +92,19 @@ impl Metrics {
         )
         .expect("valid metric");
         registry.add(reconcile_seconds.clone());
+        let scaler_pass_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "operator_scaler_pass_seconds",
+                "Time one autoscaling pass over every pipeline took (lag reads run concurrently, \
+                 each pipeline's under a deadline).",
+            )
+            .buckets(vec![
+                0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 30.0, 60.0,
+            ]),
+            &[],
+        )
+        .expect("valid metric");
+        registry.add(scaler_pass_seconds.clone());
         Self {
             registry,
             stage_lag,
@@ -102,6 +116,7 @@ impl Metrics {
             lag_read_errors,
             reconciles,
             reconcile_seconds,
+            scaler_pass_seconds,
         }
     }
 
@@ -150,6 +165,7 @@ mod tests {
             "sessionflow_stage_replicas_desired",
             "sessionflow_stage_replicas_ready",
             "sessionflow_operator_reconciles_total",
+            "sessionflow_operator_scaler_pass_seconds",
         ] {
             assert!(
                 names.iter().any(|n| n == name),

@@ -302,3 +302,72 @@ const NOT_REPLAYED: &[(&str, &str, &str, &str)] = &[(
     "patch",
     "kube's Recorder patches an event that recurs into a series; each replayed session publishes an event once",
 )];
+
+/// The leader-election Role (`files/leader-election-rules.yaml`) is exactly what an election
+/// uses: an election is replayed against the in-memory Lease API — the first replica creates
+/// the Lease and takes it, renews it, crashes; the second takes over by force and releases on
+/// a clean stop — and the set of (group, resource, verb) it called must equal the rules.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_chart_grants_the_leader_election_calls_exactly() {
+    use crate::leader::{elect, fake, LEASE_NAME};
+    use std::sync::Mutex;
+
+    let rules_file = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../charts/sessionflow/files/leader-election-rules.yaml"
+    );
+    let rules: Vec<Rule> =
+        serde_saphyr::from_str(&std::fs::read_to_string(rules_file).unwrap()).unwrap();
+    let granted: BTreeSet<(String, String, String)> = rules
+        .iter()
+        .flat_map(|r| {
+            r.api_groups.iter().flat_map(move |g| {
+                r.resources.iter().flat_map(move |res| {
+                    r.verbs
+                        .iter()
+                        .map(move |v| (g.clone(), res.clone(), v.clone()))
+                })
+            })
+        })
+        .collect();
+
+    let store = Arc::new(Mutex::new(fake::LeaseStore::default()));
+    let wait = |what: &'static str, l: crate::leader::Leadership| async move {
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while !l.is_leader() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("{what} never led"));
+    };
+    let (a, a_election) = elect(fake::client(store.clone()), "ops", LEASE_NAME, "a", 2, 1)
+        .await
+        .unwrap();
+    wait("a", a).await;
+    let (b, b_election) = elect(fake::client(store.clone()), "ops", LEASE_NAME, "b", 2, 1)
+        .await
+        .unwrap();
+    a_election.abort_without_release();
+    wait("b", b).await;
+    b_election.release().await;
+    assert_eq!(store.lock().unwrap().holder(), None, "b released the lease");
+
+    let calls: BTreeSet<(String, String, String)> = store
+        .lock()
+        .unwrap()
+        .calls
+        .iter()
+        .map(|(method, uri)| {
+            rbac_call(&Seen {
+                method: method.clone(),
+                uri: uri.clone(),
+                body: Value::Null,
+            })
+        })
+        .collect();
+    assert_eq!(
+        calls, granted,
+        "the election's calls and the Role's rules differ"
+    );
+}

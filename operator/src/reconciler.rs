@@ -38,6 +38,7 @@ use crate::crd::{SessionPipeline, SessionPipelineStatus};
 use crate::drift;
 use crate::health::{self, StageHealth};
 use crate::kafka::{self, Connection, CredentialError};
+use crate::leader::Leadership;
 use crate::metrics::Metrics;
 use crate::render::{self, Defaults, SpecError, MANAGER, PIPELINE_LABEL, STAGE_LABEL};
 
@@ -65,6 +66,8 @@ pub struct Context {
     /// `namespace/name` of each stage Deployment → its generation after the operator last
     /// applied it: the pod template the stage must run ([`health::stage_health`]).
     template_generations: Mutex<HashMap<String, i64>>,
+    /// Only the leader reconciles ([`crate::leader`]).
+    pub leadership: Leadership,
 }
 
 impl Context {
@@ -78,7 +81,13 @@ impl Context {
             topics_ensured: Mutex::default(),
             failures: Mutex::default(),
             template_generations: Mutex::default(),
+            leadership: Leadership::always(),
         }
+    }
+
+    /// Reconciles only while `leadership` says this replica leads.
+    pub fn with_leadership(self, leadership: Leadership) -> Self {
+        Self { leadership, ..self }
     }
 }
 
@@ -103,6 +112,10 @@ pub enum Error {
 
 /// One reconcile of `sp`.
 pub async fn reconcile(sp: Arc<SessionPipeline>, ctx: Arc<Context>) -> Result<Action, Error> {
+    if !ctx.leadership.is_leader() {
+        // A standby: no call at all. Gaining the lease reconciles every pipeline.
+        return Ok(Action::await_change());
+    }
     let started = Instant::now();
     let result = converge(&sp, &ctx).await;
     ctx.metrics

@@ -987,3 +987,42 @@ async fn a_secret_that_did_not_opt_in_is_not_used() {
     .await;
     assert!(matches!(result, Err(Error::Credentials(_))), "{result:?}");
 }
+
+/// Leader election: a standby's reconcile makes no API call at all (and waits for a change,
+/// which gaining the lease supplies); the same reconcile on the leader does its work.
+#[tokio::test]
+async fn only_the_leader_reconciles() {
+    let (switch, leadership) = crate::leader::Leadership::channel(false);
+    let (client, mut server) = mock_client();
+    let ctx = Arc::new(
+        Context::new(
+            client,
+            Defaults {
+                worker_image: "sessionflow-worker:test".into(),
+                log_format: "json".into(),
+                allowed_images: Vec::new(),
+            },
+            Metrics::new(),
+            Reporter {
+                controller: "sessionflow-operator".into(),
+                instance: None,
+            },
+        )
+        .with_leadership(leadership),
+    );
+    let sp = Arc::new(pipeline(&["nlu"]));
+    let action = tokio::time::timeout(Duration::from_secs(1), reconcile(sp.clone(), ctx.clone()))
+        .await
+        .expect("a standby's reconcile returns at once")
+        .unwrap();
+    assert_eq!(action, kube::runtime::controller::Action::await_change());
+    server.expect_silence(Duration::from_millis(200)).await;
+
+    switch.set(true);
+    let task = tokio::spawn(reconcile(sp, ctx));
+    let first = server
+        .expect(Method::GET, CM, |_| list("ConfigMap", "v1", &[]))
+        .await;
+    assert!(first.query_has("labelSelector="), "{}", first.uri);
+    task.abort();
+}

@@ -396,3 +396,87 @@ async fn status_is_a_subresource() {
     assert_eq!(read.spec.stages[0].replicas.max, 4);
     assert!(read.metadata.generation > generation);
 }
+
+/// `autoscaling.mode` (default `lag`, or `external`) and `scaleUpMaxStep`, on the real API
+/// server: the server fills the mode in, refuses an unknown mode and a zero step, and refuses a
+/// step in external mode (where it would do nothing) with the field named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn autoscaling_modes_are_defaulted_and_checked() {
+    let Some(client) = cluster().await else {
+        return;
+    };
+    let namespace = unique("crd-autoscaling");
+    let mut v = valid();
+    v["metadata"]["name"] = json!("modes");
+    v["spec"]["stages"][0]["autoscaling"] = json!({ "mode": "external" });
+    v["spec"]["stages"][1]["autoscaling"] = json!({ "lagPerReplica": 500, "scaleUpMaxStep": 2 });
+    create(&client, &namespace, &v)
+        .await
+        .expect("external mode, and a step in lag mode, are accepted");
+    let kind = ApiResource::erase::<SessionPipeline>(&());
+    let raw: Api<DynamicObject> = Api::namespaced_with(client.clone(), &namespace, &kind);
+    let stored = raw.get("modes").await.unwrap().data;
+    assert_eq!(
+        stored["spec"]["stages"][0]["autoscaling"]["mode"],
+        "external"
+    );
+    assert_eq!(
+        stored["spec"]["stages"][1]["autoscaling"]["mode"], "lag",
+        "the server defaults the mode"
+    );
+    assert_eq!(
+        stored["spec"]["stages"][1]["autoscaling"]["scaleUpMaxStep"],
+        2
+    );
+
+    type Break = fn(&mut Value);
+    let cases: &[(&str, Break, &[&str])] = &[
+        (
+            "unknown mode",
+            |v| v["spec"]["stages"][0]["autoscaling"] = json!({ "mode": "hpa" }),
+            &["spec.stages[0].autoscaling.mode", "Unsupported value"],
+        ),
+        (
+            "zero step",
+            |v| v["spec"]["stages"][0]["autoscaling"] = json!({ "scaleUpMaxStep": 0 }),
+            &[
+                "spec.stages[0].autoscaling.scaleUpMaxStep",
+                "greater than or equal to 1",
+            ],
+        ),
+        (
+            "step in external mode",
+            |v| {
+                v["spec"]["stages"][1]["autoscaling"] =
+                    json!({ "mode": "external", "scaleUpMaxStep": 3 })
+            },
+            &[
+                "spec.stages[1].autoscaling.scaleUpMaxStep",
+                "applies to mode lag only",
+            ],
+        ),
+    ];
+    let mut failures = Vec::new();
+    for (i, (what, break_it, expected)) in cases.iter().enumerate() {
+        let mut v = valid();
+        v["metadata"]["name"] = json!(format!("modes{i}"));
+        break_it(&mut v);
+        match create(&client, &namespace, &v).await {
+            Ok(_) => failures.push(format!("{what}: accepted")),
+            Err(kube::Error::Api(e)) => {
+                let missing: Vec<&&str> = expected
+                    .iter()
+                    .filter(|s| !e.message.contains(**s))
+                    .collect();
+                if e.code != 422 || !missing.is_empty() {
+                    failures.push(format!(
+                        "{what}: {} {:?} lacks {missing:?}",
+                        e.code, e.message
+                    ));
+                }
+            }
+            Err(e) => failures.push(format!("{what}: {e}")),
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

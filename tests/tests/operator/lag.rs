@@ -44,6 +44,7 @@ fn policy(lag_per_replica: u64) -> Policy {
         max: 10,
         lag_per_replica,
         scale_down_window: Duration::ZERO,
+        scale_up_max_step: None,
     }
 }
 
