@@ -228,9 +228,10 @@ impl<H: Handler> SessionTask<H> {
         }
         let mut watch = StuckWatch::start(self.ctx.stuck);
         let span = telemetry::record_span(&record);
+        let traced = !span.is_none();
         let started = Instant::now();
         let settled = async {
-            match self.attempt(&record, &mut watch, started).await {
+            match self.attempt(&record, &mut watch, started, traced).await {
                 Some(outcome) => {
                     self.ctx
                         .settler()
@@ -252,12 +253,14 @@ impl<H: Handler> SessionTask<H> {
     }
 
     /// Tries the record until it succeeds or must go to the DLQ, or `None` when it is
-    /// abandoned (abort, or its partition moved to another worker, which redoes it).
+    /// abandoned (abort, or its partition moved to another worker, which redoes it). `traced`:
+    /// the record has a span, and each attempt gets a child of it.
     async fn attempt(
         &self,
         record: &InputRecord,
         watch: &mut StuckWatch,
         first_start: Instant,
+        traced: bool,
     ) -> Option<Outcome> {
         let ctx = &*self.ctx;
         let mut attempt: u32 = 1;
@@ -265,7 +268,7 @@ impl<H: Handler> SessionTask<H> {
             let started = Instant::now();
             let call = self
                 .call(record, attempt)
-                .instrument(tracing::info_span!("attempt", attempt));
+                .instrument(telemetry::attempt_span(traced, attempt));
             tokio::pin!(call);
             let result = loop {
                 tokio::select! {
