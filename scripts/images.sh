@@ -74,7 +74,7 @@ for c in worker operator; do
   image=$WORKER_IMAGE; [[ $c == operator ]] && image=$OPERATOR_IMAGE
   echo "== images: $image"
   old=$(bah inspect --type image --format '{{.FromImageID}}' "$image" 2>/dev/null || true)
-  bah bud --quiet --isolation chroot --pull=false --layers=false -f "$PWD/Dockerfile.$c" \
+  bah bud --quiet --isolation chroot --pull=never --layers=false -f "$PWD/Dockerfile.$c" \
     --target prebuilt --build-arg RUNTIME_IMAGE="$BASE_IMAGE" \
     --build-arg VERSION="$VERSION" --build-arg REVISION="$REVISION" \
     -t "$image" "$work/$c" >/dev/null
