@@ -172,15 +172,7 @@ async fn a_final_commit_that_fails_for_good_exits_non_zero_and_loses_nothing() {
     );
     cluster.clear_request_errors(RDKafkaApiKey::OffsetCommit);
 
-    let second = WorkerProcess::spawn(&yaml);
-    wait_committed_to_end_on(&brokers, &topics, Duration::from_secs(180))
-        .await
-        .unwrap_or_else(|(committed, end)| panic!("committed {committed:?} never reached {end:?}"));
-    assert!(second.terminate().success());
-    let report = verify_on(&brokers, &topics);
-    eprintln!("final commit refused, restart:\n{report}");
-    assert!(report.is_ok(), "{report}");
-    assert_eq!(report.records - report.duplicates, records, "{report}");
+    restart_and_verify(&brokers, &topics, &yaml, records, "final commit refused").await;
 }
 
 /// A stop while the group has gone on without this member (issue 10, item 9): every commit
@@ -225,13 +217,26 @@ async fn a_stop_after_the_group_went_on_without_the_member_exits_0_and_loses_not
     );
     cluster.clear_request_errors(RDKafkaApiKey::OffsetCommit);
 
-    let second = WorkerProcess::spawn(&yaml);
-    wait_committed_to_end_on(&brokers, &topics, Duration::from_secs(180))
+    restart_and_verify(
+        &brokers,
+        &topics,
+        &yaml,
+        records,
+        "final commit refused as IllegalGeneration",
+    )
+    .await;
+}
+
+/// The end of a stop test: a second worker drains the input (committed = end), stops cleanly,
+/// and `verify` finds nothing lost or out of order over the `records` produced.
+async fn restart_and_verify(brokers: &str, topics: &Topics, yaml: &str, records: u64, what: &str) {
+    let second = WorkerProcess::spawn(yaml);
+    wait_committed_to_end_on(brokers, topics, Duration::from_secs(180))
         .await
         .unwrap_or_else(|(committed, end)| panic!("committed {committed:?} never reached {end:?}"));
     assert!(second.terminate().success());
-    let report = verify_on(&brokers, &topics);
-    eprintln!("final commit refused as IllegalGeneration, restart:\n{report}");
+    let report = verify_on(brokers, topics);
+    eprintln!("{what}, restart:\n{report}");
     assert!(report.is_ok(), "{report}");
     assert_eq!(report.records - report.duplicates, records, "{report}");
 }
