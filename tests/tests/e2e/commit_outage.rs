@@ -148,19 +148,9 @@ async fn a_partition_that_comes_back_during_slow_acks_then_a_kill_loses_nothing(
 /// committed" and 0 — and lose nothing: the next worker replays from the last confirmed commit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_final_commit_that_fails_for_good_exits_non_zero_and_loses_nothing() {
-    let (cluster, brokers, topics) = mock_cluster("final-fails", 2);
-    let records = 2_000;
-    let opts = LoadgenOptions {
-        choice: SessionChoice::RoundRobin,
-        ..LoadgenOptions::new(&brokers, &topics.input, records, 50)
-    };
-    loadgen::run(&opts).await.expect("loadgen");
-    let outputs = || end_offsets_on(&brokers, &topics.output).iter().sum::<i64>() as u64;
-    let yaml = topics.stage_yaml_on(&brokers, "{latencyMs: 5, seed: 6}", "");
+    let (cluster, brokers, topics, yaml) = stop_test("final-fails", 6).await;
     let first = WorkerProcess::spawn(&yaml);
-    wait_until(Duration::from_secs(90), || outputs() >= 500)
-        .await
-        .expect("progress");
+    wait_for_progress(&brokers, &topics).await;
     cluster.request_errors(
         RDKafkaApiKey::OffsetCommit,
         &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_COORDINATOR_NOT_AVAILABLE; 100_000],
@@ -172,7 +162,7 @@ async fn a_final_commit_that_fails_for_good_exits_non_zero_and_loses_nothing() {
     );
     cluster.clear_request_errors(RDKafkaApiKey::OffsetCommit);
 
-    restart_and_verify(&brokers, &topics, &yaml, records, "final commit refused").await;
+    restart_and_verify(&brokers, &topics, &yaml, "final commit refused").await;
 }
 
 /// A stop while the group has gone on without this member (issue 10, item 9): every commit
@@ -182,24 +172,14 @@ async fn a_final_commit_that_fails_for_good_exits_non_zero_and_loses_nothing() {
 /// lost: their next owner replays from the last confirmed commit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_after_the_group_went_on_without_the_member_exits_0_and_loses_nothing() {
-    let (cluster, brokers, topics) = mock_cluster("final-fenced", 2);
-    let records = 2_000;
-    let opts = LoadgenOptions {
-        choice: SessionChoice::RoundRobin,
-        ..LoadgenOptions::new(&brokers, &topics.input, records, 50)
-    };
-    loadgen::run(&opts).await.expect("loadgen");
-    let outputs = || end_offsets_on(&brokers, &topics.output).iter().sum::<i64>() as u64;
-    let yaml = topics.stage_yaml_on(&brokers, "{latencyMs: 5, seed: 7}", "");
+    let (cluster, brokers, topics, yaml) = stop_test("final-fenced", 7).await;
     let log = std::env::temp_dir().join(sessionflow_tests::unique("fenced-worker") + ".log");
     let first = WorkerProcess::spawn_logging(
         &yaml,
         &[],
         std::fs::File::create(&log).expect("log file").into(),
     );
-    wait_until(Duration::from_secs(90), || outputs() >= 500)
-        .await
-        .expect("progress");
+    wait_for_progress(&brokers, &topics).await;
     cluster.request_errors(
         RDKafkaApiKey::OffsetCommit,
         &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_ILLEGAL_GENERATION; 100_000],
@@ -221,15 +201,38 @@ async fn a_stop_after_the_group_went_on_without_the_member_exits_0_and_loses_not
         &brokers,
         &topics,
         &yaml,
-        records,
         "final commit refused as IllegalGeneration",
     )
     .await;
 }
 
+/// Records of each stop test.
+const STOP_RECORDS: u64 = 2_000;
+
+/// The start of a stop test: a two-partition mock cluster with [`STOP_RECORDS`] records of 50
+/// sessions, and a worker config for it.
+async fn stop_test(name: &str, seed: u64) -> (MockCluster, String, Topics, String) {
+    let (cluster, brokers, topics) = mock_cluster(name, 2);
+    let opts = LoadgenOptions {
+        choice: SessionChoice::RoundRobin,
+        ..LoadgenOptions::new(&brokers, &topics.input, STOP_RECORDS, 50)
+    };
+    loadgen::run(&opts).await.expect("loadgen");
+    let yaml = topics.stage_yaml_on(&brokers, &format!("{{latencyMs: 5, seed: {seed}}}"), "");
+    (cluster, brokers, topics, yaml)
+}
+
+/// Waits until the first worker of a stop test has written a quarter of the outputs.
+async fn wait_for_progress(brokers: &str, topics: &Topics) {
+    let outputs = || end_offsets_on(brokers, &topics.output).iter().sum::<i64>() as u64;
+    wait_until(Duration::from_secs(90), || outputs() >= STOP_RECORDS / 4)
+        .await
+        .expect("progress");
+}
+
 /// The end of a stop test: a second worker drains the input (committed = end), stops cleanly,
-/// and `verify` finds nothing lost or out of order over the `records` produced.
-async fn restart_and_verify(brokers: &str, topics: &Topics, yaml: &str, records: u64, what: &str) {
+/// and `verify` finds nothing lost or out of order over the [`STOP_RECORDS`] produced.
+async fn restart_and_verify(brokers: &str, topics: &Topics, yaml: &str, what: &str) {
     let second = WorkerProcess::spawn(yaml);
     wait_committed_to_end_on(brokers, topics, Duration::from_secs(180))
         .await
@@ -238,5 +241,5 @@ async fn restart_and_verify(brokers: &str, topics: &Topics, yaml: &str, records:
     let report = verify_on(brokers, topics);
     eprintln!("{what}, restart:\n{report}");
     assert!(report.is_ok(), "{report}");
-    assert_eq!(report.records - report.duplicates, records, "{report}");
+    assert_eq!(report.records - report.duplicates, STOP_RECORDS, "{report}");
 }
