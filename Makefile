@@ -43,7 +43,7 @@ clean:
 	$(CARGO) clean
 	rm -rf .local
 
-.PHONY: images chart-check crd
+.PHONY: images image-test chart-check crd
 
 ## crd: regenerate the CRD (crds/ and the chart's copy), its reference and the worker config
 ## reference from the Rust types
@@ -53,19 +53,19 @@ crd:
 	$(CARGO) run -q -p sessionflow-operator -- reference > docs/crd-reference.md
 	$(CARGO) run -q -p sessionflow-operator -- reference --worker > docs/worker-config.md
 
-## images: build the worker and operator images (Dockerfile.worker, Dockerfile.operator) when a
-## Docker engine answers `docker info`; otherwise say so and build nothing (exit 0).
-IMAGE_REGISTRY ?= ghcr.io/sessionflow
-IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' Cargo.toml | head -n1)
-DOCKER ?= docker
+## images: build the worker and operator images, $IMAGE_REGISTRY/sessionflow-{worker,operator}:
+## <workspace version> (default ghcr.io/sessionflow; the tag is the chart's appVersion): `docker build` of Dockerfile.worker and
+## Dockerfile.operator when a Docker engine answers, otherwise buildah (release binaries built
+## once on the host with cargo auditable, packaged with the Dockerfiles' `prebuilt` target onto a
+## distroless-equivalent base made from Debian packages: scripts/images.sh, scripts/image-base.sh)
+## image-test: build both, then run the worker image as the operator's Deployment does against
+## a local broker (builtin, HTTP and HTTPS handlers; SIGTERM, restart, verify), the operator
+## image's `crd`, labels, dependency lists, sizes (scripts/image-test.sh; needs buildah, podman,
+## runc: apt-get install buildah podman runc)
 images:
-	@if $(DOCKER) info >/dev/null 2>&1; then \
-	  set -e; \
-	  $(DOCKER) build -f Dockerfile.worker -t $(IMAGE_REGISTRY)/sessionflow-worker:$(IMAGE_TAG) .; \
-	  $(DOCKER) build -f Dockerfile.operator -t $(IMAGE_REGISTRY)/sessionflow-operator:$(IMAGE_TAG) .; \
-	else \
-	  echo "images: no Docker engine available ('$(DOCKER) info' failed): nothing built"; \
-	fi
+	scripts/images.sh
+image-test:
+	scripts/image-test.sh
 
 ## chart-check: offline checks of charts/sessionflow (helm lint --strict, helm template |
 ## kubernetes-validate, CRD copy, dashboard JSON); installs helm 4 and kubernetes-validate

@@ -9,6 +9,8 @@ use std::path::PathBuf;
 
 use serde_json::Value;
 
+mod images;
+
 fn repo_file(path: &str) -> String {
     let full = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("..")

@@ -3,6 +3,7 @@
 //! metadata), and the CRD (against a real Kubernetes API server, when one can be built here).
 
 mod crd;
+mod image_contract;
 mod lag;
 mod process;
 mod topics;
