@@ -87,6 +87,17 @@ bench:
 	    --broker-pid-file .local/broker-$(BROKER_PORT).pid; \
 	fi
 
+.PHONY: callgrind
+
+## callgrind: instructions per record of a fixed in-process workload (librdkafka's mock
+## cluster, 50,000 records, 1,000 Zipf sessions, 8 partitions, no-op handler) under valgrind's
+## callgrind, for sessionflow and the raw consumer; independent of the machine's load.
+## Breakdowns in target/callgrind/. Needs valgrind; ~2 minutes
+callgrind:
+	$(CARGO) build --release -p sessionflow-bench
+	bench/callgrind.sh ceiling
+	bench/callgrind.sh sessionflow
+
 .PHONY: chaos
 
 ## chaos: the randomized nemesis run: worker processes against librdkafka's mock cluster (in

@@ -6,6 +6,7 @@
 //! SVG charts ([`charts`]) and the raw results as JSON. It measures and reports; it asserts
 //! nothing about time.
 
+mod callgrind;
 mod charts;
 mod handler;
 mod measurement;
@@ -87,13 +88,18 @@ enum Command {
     /// One run in its own process (used by the harness itself).
     #[command(hide = true)]
     Child { spec: String },
+    /// A fixed in-process workload (mock cluster) for instructions per record under callgrind
+    /// (see bench/callgrind.sh).
+    CallgrindWorkload(callgrind::WorkloadArgs),
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    if let Some(Command::Child { spec }) = &cli.command {
-        return run::child(serde_json::from_str(spec)?).await;
+    match cli.command {
+        Some(Command::Child { spec }) => return run::child(serde_json::from_str(&spec)?).await,
+        Some(Command::CallgrindWorkload(args)) => return callgrind::run(args).await,
+        None => {}
     }
     let started = Instant::now();
     let brokers = cli.brokers.clone().ok_or_else(|| {

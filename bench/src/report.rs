@@ -440,8 +440,9 @@ pub fn markdown(env: &Environment, outcomes: &[Outcome], notes: Option<&str>) ->
         env.wall_s,
         env.wall_s / 60.0,
         if env.telemetry {
-            "the worker binary's (tracing subscriber with the OpenTelemetry layer: a span per \
-             record and per attempt; logs at `warn`)"
+            "the worker binary's (tracing subscriber with the OpenTelemetry layer; no OTLP \
+             endpoint and the records carry no `traceparent`, so records get no spans; logs at \
+             `warn`)"
         } else {
             "none installed (spans are no-ops)"
         },

@@ -15,9 +15,13 @@
 //! in-flight cap is checked against (see [`PartitionOffsets::replay_span`]), so a commit
 //! outage holds intake at the cap instead of letting the replay grow.
 //!
+//! The in-flight offsets are a deque from the oldest unfinished offset to the newest begun
+//! (see [`InFlight`]): every record begins and completes an offset, so this is on the record
+//! path, and a deque costs no allocation per offset where a tree set costs a node's worth.
+//!
 //! This module is pure bookkeeping — no Kafka, no tokio — so it can be tested exhaustively.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::VecDeque;
 
 /// Kafka partition number.
 pub type Partition = i32;
@@ -28,7 +32,7 @@ pub type Offset = i64;
 #[derive(Debug, Default, Clone)]
 pub struct PartitionOffsets {
     /// Offsets begun and not yet completed.
-    in_flight: BTreeSet<Offset>,
+    in_flight: InFlight,
     /// One past the highest offset begun; `None` until the first record.
     next: Option<Offset>,
     /// The first offset begun in this assignment: where a replay starts when nothing was
@@ -42,6 +46,75 @@ pub struct PartitionOffsets {
     failing: bool,
     /// Something completed since the last commit was sent (the completed-offset map changed).
     dirty: bool,
+}
+
+/// Offsets begun and not yet completed, ascending.
+///
+/// Slots from the oldest unfinished offset to the newest begun, each marked done or not: a
+/// begin pushes at the back (offsets are begun in increasing order), a completion marks its
+/// slot — found at its index when the offsets since the front are contiguous, by binary search
+/// across gaps — and done slots at the front are dropped, so the front is always unfinished.
+/// Its length is bounded by the replay span, which the in-flight cap bounds.
+#[derive(Debug, Default, Clone)]
+struct InFlight {
+    slots: VecDeque<Slot>,
+    /// Slots not done.
+    unfinished: usize,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    offset: Offset,
+    done: bool,
+}
+
+impl InFlight {
+    /// Adds `offset`, which must be above every offset added before.
+    fn insert(&mut self, offset: Offset) {
+        debug_assert!(self.slots.back().is_none_or(|s| s.offset < offset));
+        self.slots.push_back(Slot {
+            offset,
+            done: false,
+        });
+        self.unfinished += 1;
+    }
+
+    /// Marks `offset` done; false when it is not in flight.
+    fn remove(&mut self, offset: Offset) -> bool {
+        let Some(slot) = self.position(offset).map(|i| &mut self.slots[i]) else {
+            return false;
+        };
+        if slot.done {
+            return false;
+        }
+        slot.done = true;
+        self.unfinished -= 1;
+        while self.slots.front().is_some_and(|s| s.done) {
+            self.slots.pop_front();
+        }
+        true
+    }
+
+    fn position(&self, offset: Offset) -> Option<usize> {
+        let front = self.slots.front()?.offset;
+        let guess = usize::try_from(offset.checked_sub(front)?).ok()?;
+        if self.slots.get(guess).is_some_and(|s| s.offset == offset) {
+            return Some(guess);
+        }
+        self.slots.binary_search_by_key(&offset, |s| s.offset).ok()
+    }
+
+    fn first(&self) -> Option<Offset> {
+        self.slots.front().map(|s| s.offset)
+    }
+
+    fn iter(&self) -> impl Iterator<Item = Offset> + '_ {
+        self.slots.iter().filter(|s| !s.done).map(|s| s.offset)
+    }
+
+    fn len(&self) -> usize {
+        self.unfinished
+    }
 }
 
 /// Commit turns a sent, unanswered watermark waits before it is sent again.
@@ -66,7 +139,7 @@ impl PartitionOffsets {
     /// Marks `offset` done (processed, or written to the DLQ). Completing an offset that is not
     /// in flight is reported, not ignored: it means two owners for one record.
     pub fn complete(&mut self, offset: Offset) -> Result<(), OffsetError> {
-        if self.in_flight.remove(&offset) {
+        if self.in_flight.remove(offset) {
             self.dirty = true;
             Ok(())
         } else {
@@ -76,7 +149,7 @@ impl PartitionOffsets {
 
     /// The offset to commit: every offset below it is done. `None` before the first record.
     pub fn watermark(&self) -> Option<Offset> {
-        self.in_flight.first().copied().or(self.next)
+        self.in_flight.first().or(self.next)
     }
 
     /// The watermark to send now: it is not confirmed yet (or the completed-offset map above
@@ -188,7 +261,7 @@ impl PartitionOffsets {
 
     /// Unfinished offsets, ascending.
     pub fn in_flight_offsets(&self) -> impl Iterator<Item = Offset> + '_ {
-        self.in_flight.iter().copied()
+        self.in_flight.iter()
     }
 
     /// Number of offsets begun and not completed.
@@ -198,14 +271,15 @@ impl PartitionOffsets {
 
     /// The oldest unfinished offset.
     pub fn oldest_in_flight(&self) -> Option<Offset> {
-        self.in_flight.first().copied()
+        self.in_flight.first()
     }
 }
 
 /// Offsets of every partition this worker owns.
 #[derive(Debug, Default)]
 pub struct OffsetTracker {
-    partitions: HashMap<Partition, PartitionOffsets>,
+    /// Looked up twice per record: foldhash, not SipHash.
+    partitions: foldhash::HashMap<Partition, PartitionOffsets>,
 }
 
 impl OffsetTracker {
@@ -521,6 +595,43 @@ mod tests {
                 p.tick();
             }
             prop_assert!(sent_again);
+        }
+
+        /// The in-flight deque answers like the ordered set it replaced, with gaps between
+        /// offsets and completions that are repeated or of offsets never begun.
+        #[test]
+        fn in_flight_behaves_like_an_ordered_set(
+            ops in prop::collection::vec((0u8..3, 1i64..5, any::<u16>()), 1..500),
+        ) {
+            let mut p = PartitionOffsets::default();
+            let mut model = std::collections::BTreeSet::new();
+            let mut next: Offset = 0;
+            for (op, step, pick) in ops {
+                match op {
+                    0 => {
+                        next += step;
+                        p.begin(next).unwrap();
+                        model.insert(next);
+                    }
+                    1 if !model.is_empty() => {
+                        let o = *model.iter().nth(pick as usize % model.len()).unwrap();
+                        p.complete(o).unwrap();
+                        model.remove(&o);
+                    }
+                    _ => {
+                        // Anything up to one past the newest: done, never begun, or in flight.
+                        let o = Offset::from(pick) % (next + 2);
+                        prop_assert_eq!(p.complete(o).is_ok(), model.remove(&o));
+                    }
+                }
+                prop_assert_eq!(p.in_flight(), model.len());
+                prop_assert_eq!(p.oldest_in_flight(), model.first().copied());
+                prop_assert_eq!(p.in_flight_offsets().collect::<Vec<_>>(),
+                    model.iter().copied().collect::<Vec<_>>());
+                if next > 0 {
+                    prop_assert_eq!(p.watermark(), Some(model.first().copied().unwrap_or(next + 1)));
+                }
+            }
         }
 
         /// Interleaving begins and completes (the live pattern) keeps the same invariant.

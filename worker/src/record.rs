@@ -167,7 +167,7 @@ impl InputRecord {
             .and_then(|v| std::str::from_utf8(v).ok())
             .filter(|v| !v.is_empty())
             .map(str::to_owned)
-            .unwrap_or_else(|| format!("{}-{}-{}", topic, message.partition(), message.offset()));
+            .unwrap_or_else(|| generated_event_id(&topic, message.partition(), message.offset()));
         Self {
             partition: message.partition(),
             offset: message.offset(),
@@ -221,6 +221,19 @@ impl InputRecord {
     }
 }
 
+/// `topic-partition-offset`, the event id of a record that carries none. Built without the
+/// formatting machinery: it is made for every such record.
+fn generated_event_id(topic: &str, partition: Partition, offset: Offset) -> String {
+    let mut number = itoa::Buffer::new();
+    let mut id = String::with_capacity(topic.len() + 32);
+    id.push_str(topic);
+    id.push('-');
+    id.push_str(number.format(partition));
+    id.push('-');
+    id.push_str(number.format(offset));
+    id
+}
+
 fn find<'a>(headers: &'a [(String, Option<Bytes>)], name: &str) -> Option<&'a Bytes> {
     headers
         .iter()
@@ -261,6 +274,16 @@ mod tests {
         let r = record(&message(Some(b"s1"), &[]), &SessionSource::Key);
         assert_eq!(r.session.as_deref(), Some(&b"s1"[..]));
         assert_eq!(r.event_id, "in-3-42");
+    }
+
+    #[test]
+    fn generated_event_ids_name_topic_partition_and_offset() {
+        assert_eq!(generated_event_id("in", 3, 42), "in-3-42");
+        assert_eq!(
+            generated_event_id("a-b", i32::MAX, i64::MAX),
+            format!("a-b-{}-{}", i32::MAX, i64::MAX)
+        );
+        assert_eq!(generated_event_id("t", 0, -1), "t-0--1");
     }
 
     #[test]

@@ -21,7 +21,7 @@
 //! only once its result is acknowledged, so a skip never hides a loss; and it is honoured only
 //! within the assignment that settled it (see `RecentEvents`).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -39,7 +39,7 @@ use crate::handler::{Handler, HandlerError, HandlerResult};
 use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::producer::StageProducer;
-use crate::record::InputRecord;
+use crate::record::{header, InputRecord};
 use crate::retry::RetryPolicy;
 use crate::settle::{Outcome, Settled, Settler};
 use crate::stuck::{StuckPolicy, StuckWatch, Verdict};
@@ -147,24 +147,33 @@ impl SessionHandle {
 /// same event). Once the partition has been away and come back, another owner may have
 /// written the session's later records meanwhile; skipping the rest of a replayed range the
 /// new owner started would leave the session's output ending on an older record.
+///
+/// Only ids carried in the `sessionflow-event-id` header are remembered: an id made from the
+/// record's own offset (`topic-partition-offset`) cannot come again within an assignment,
+/// whose offsets are taken in once each (see `offsets`), so remembering it would only cost.
+/// One allocation per id remembered, shared by the map and the eviction order.
 #[derive(Default)]
 struct RecentEvents {
-    order: VecDeque<String>,
-    epochs: HashMap<String, u64>,
+    order: VecDeque<Arc<str>>,
+    epochs: foldhash::HashMap<Arc<str>, u64>,
 }
 
 impl RecentEvents {
     fn contains(&self, id: &str, epoch: u64) -> bool {
-        self.epochs.get(id) == Some(&epoch)
+        !self.epochs.is_empty() && self.epochs.get(id) == Some(&epoch)
     }
 
     fn insert(&mut self, id: &str, epoch: u64) {
-        if self.epochs.insert(id.to_string(), epoch).is_none() {
-            self.order.push_back(id.to_string());
-            if self.order.len() > RECENT_EVENT_IDS {
-                if let Some(old) = self.order.pop_front() {
-                    self.epochs.remove(&old);
-                }
+        if let Some(known) = self.epochs.get_mut(id) {
+            *known = epoch;
+            return;
+        }
+        let id: Arc<str> = id.into();
+        self.epochs.insert(id.clone(), epoch);
+        self.order.push_back(id);
+        if self.order.len() > RECENT_EVENT_IDS {
+            if let Some(old) = self.order.pop_front() {
+                self.epochs.remove(&old);
             }
         }
     }
@@ -219,9 +228,10 @@ impl<H: Handler> SessionTask<H> {
         }
         let mut watch = StuckWatch::start(self.ctx.stuck);
         let span = telemetry::record_span(&record);
+        let traced = !span.is_none();
         let started = Instant::now();
         let settled = async {
-            match self.attempt(&record, &mut watch, started).await {
+            match self.attempt(&record, &mut watch, started, traced).await {
                 Some(outcome) => {
                     self.ctx
                         .settler()
@@ -237,18 +247,20 @@ impl<H: Handler> SessionTask<H> {
         .instrument(span)
         .await;
         watch.finish(&self.ctx.metrics);
-        if settled == Settled::Done {
+        if settled == Settled::Done && record.header(header::EVENT_ID).is_some() {
             self.recent.insert(&record.event_id, record.lease.epoch);
         }
     }
 
     /// Tries the record until it succeeds or must go to the DLQ, or `None` when it is
-    /// abandoned (abort, or its partition moved to another worker, which redoes it).
+    /// abandoned (abort, or its partition moved to another worker, which redoes it). `traced`:
+    /// the record has a span, and each attempt gets a child of it.
     async fn attempt(
         &self,
         record: &InputRecord,
         watch: &mut StuckWatch,
         first_start: Instant,
+        traced: bool,
     ) -> Option<Outcome> {
         let ctx = &*self.ctx;
         let mut attempt: u32 = 1;
@@ -256,7 +268,7 @@ impl<H: Handler> SessionTask<H> {
             let started = Instant::now();
             let call = self
                 .call(record, attempt)
-                .instrument(tracing::info_span!("attempt", attempt));
+                .instrument(telemetry::attempt_span(traced, attempt));
             tokio::pin!(call);
             let result = loop {
                 tokio::select! {
@@ -349,5 +361,32 @@ impl<H: Handler> SessionTask<H> {
                 )))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recent_events_are_honoured_within_their_assignment_and_evicted_oldest_first() {
+        let mut recent = RecentEvents::default();
+        assert!(!recent.contains("e-0", 1));
+        for i in 0..RECENT_EVENT_IDS {
+            recent.insert(&format!("e-{i}"), 1);
+        }
+        assert!(recent.contains("e-0", 1));
+        assert!(
+            !recent.contains("e-0", 2),
+            "another assignment's replay is processed"
+        );
+        // Settled again under a later assignment: that one counts now.
+        recent.insert("e-1", 2);
+        assert!(recent.contains("e-1", 2) && !recent.contains("e-1", 1));
+        recent.insert("e-new", 1);
+        assert!(!recent.contains("e-0", 1), "the oldest is evicted");
+        assert!(recent.contains("e-2", 1) && recent.contains("e-new", 1));
+        assert_eq!(recent.order.len(), RECENT_EVENT_IDS);
+        assert_eq!(recent.epochs.len(), RECENT_EVENT_IDS);
     }
 }

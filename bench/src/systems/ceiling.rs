@@ -1,8 +1,13 @@
 //! System 1, the ceiling: librdkafka consuming the records with no processing at all.
 //!
-//! One `BaseConsumer` on one thread, polling and handing each record to the measurements only.
-//! Whatever a real design adds (routing, a handler, retries, offset bookkeeping) can only cost,
-//! so this is the rate the others are held against.
+//! One `BaseConsumer` on one thread, handing each record to the measurements only. It reads
+//! the records the way the engine does: each partition split into its own queue (the engine's
+//! `partition_queues`, detached before the assignment so no record goes through the main
+//! queue), taken in bursts from every partition in turn, with a wait on the queues' doorbell
+//! when all are empty. Polling the consumer's single queue instead made this "ceiling" swing
+//! between runs (librdkafka hands a backlog out through it one partition at a time) and fall
+//! below the designs it bounds. Whatever a real design adds (routing, a handler, retries,
+//! offset bookkeeping) can only cost, so this is the rate the others are held against.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -10,29 +15,67 @@ use std::time::Duration;
 
 use futures::FutureExt;
 use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::BorrowedMessage;
 use rdkafka::Message;
+use sessionflow_worker::partition_queues::{detach_before_assign, PartitionQueues};
 
 use super::{baseline_consumer, Running, SystemSettings};
 use crate::handler::Core;
 use crate::workload::{decode, seq_header};
 
+/// Records taken from one partition's queue before the next partition's (as the engine).
+const BURST: usize = 256;
+/// Longest wait for records while every queue is empty (also how often `stop` is checked).
+const IDLE_WAIT: Duration = Duration::from_millis(50);
+
 pub fn start(settings: &SystemSettings, core: Arc<Core>) -> anyhow::Result<Running> {
-    let consumer: BaseConsumer = baseline_consumer(settings, false).create()?;
+    let consumer: Arc<BaseConsumer> = Arc::new(baseline_consumer(settings, false).create()?);
+    for p in 0..settings.partitions {
+        detach_before_assign(&consumer, &settings.topic, p);
+    }
     consumer.assign(&settings.assignment()?)?;
+    let mut queues = PartitionQueues::new(consumer.clone(), &settings.topic);
+    queues.sync(&(0..settings.partitions).collect::<Vec<_>>());
     let stop = Arc::new(AtomicBool::new(false));
     let stopping = stop.clone();
+    let observe = move |m: &BorrowedMessage<'_>| {
+        if let Some(v) = decode(m.payload(), seq_header(m.headers())) {
+            core.observe(v, m.partition());
+        }
+    };
     let thread = std::thread::Builder::new()
         .name("ceiling".into())
         .spawn(move || {
+            let partitions: Vec<_> = queues.partitions().collect();
             while !stop.load(Ordering::Acquire) {
-                match consumer.poll(Duration::from_millis(50)) {
-                    Some(Ok(m)) => {
-                        if let Some(v) = decode(m.payload(), seq_header(m.headers())) {
-                            core.observe(v, m.partition());
+                let mut took = false;
+                // Events, and any record that reached the main queue after all.
+                while let Some(polled) = consumer.poll(Duration::ZERO) {
+                    match polled {
+                        Ok(m) => {
+                            observe(&m);
+                            took = true;
+                        }
+                        Err(e) => eprintln!("ceiling: consume error: {e}"),
+                    }
+                }
+                for &p in &partitions {
+                    for _ in 0..BURST {
+                        match queues.poll(p) {
+                            Some(Ok(m)) => {
+                                observe(&m);
+                                took = true;
+                            }
+                            Some(Err(e)) => {
+                                eprintln!("ceiling: consume error: {e}");
+                                break;
+                            }
+                            None => break,
                         }
                     }
-                    Some(Err(e)) => eprintln!("ceiling: consume error: {e}"),
-                    None => {}
+                }
+                if !took {
+                    queues.wait(IDLE_WAIT);
                 }
             }
         })?;

@@ -7,8 +7,8 @@
 //! output* (settings with an `output` topic) the handler returns the record's value and the
 //! engine writes it to that topic: a record is done when its output is acknowledged, which is
 //! what a pipeline stage that is not the last one pays. With `telemetry` the
-//! worker binary's tracing setup is installed first (a span per record and per attempt, as a
-//! deployed worker creates them), with logging at `warn`.
+//! worker binary's tracing setup is installed first, as in a deployed worker, with logging at
+//! `warn`: with no OTLP endpoint and no `traceparent` on the records, no record gets a span.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Instructions per record of the callgrind workload (bench/src/callgrind.rs): runs one system
+# under `valgrind --tool=callgrind`, divides the cost of the drain's dump by the records it
+# covers, and writes callgrind_annotate's inclusive and self breakdowns beside it.
+#
+#   bench/callgrind.sh [sessionflow|ceiling] [workload args, e.g. --records 50000]
+#
+# BIN (default target/release/sessionflow-bench) and OUT_DIR (default target/callgrind) can be
+# set. Needs valgrind; build the binary first (cargo build --release -p sessionflow-bench).
+set -euo pipefail
+system=${1:-sessionflow}
+shift || true
+bin=${BIN:-target/release/sessionflow-bench}
+dir=${OUT_DIR:-target/callgrind}
+mkdir -p "$dir"
+out="$dir/$system.out"
+rm -f "$out" "$out".*
+valgrind --tool=callgrind --callgrind-out-file="$out" \
+  "$bin" callgrind-workload --system "$system" "$@" \
+  >"$dir/$system.txt" 2>"$dir/$system.valgrind.log"
+part=$(grep -l '^desc: Trigger: Client Request: drained' "$out"* | head -1)
+total=$(awk '/^(summary|totals):/ { print $2; exit }' "$part")
+records=$(awk -F': ' '/^records measured/ { print $2 }' "$dir/$system.txt")
+callgrind_annotate --inclusive=yes --threshold=100 --auto=no "$part" >"$dir/$system.inclusive.txt"
+callgrind_annotate --threshold=100 --auto=no "$part" >"$dir/$system.self.txt"
+cat "$dir/$system.txt"
+echo "instructions: $total"
+echo "instructions per record: $((total / records))"
+echo "breakdown: $dir/$system.inclusive.txt, $dir/$system.self.txt"

@@ -1,0 +1,161 @@
+//! `callgrind-workload`: CPU per record counted in instructions, whatever else the machine does.
+//!
+//! Wall-clock rates on a shared machine move with the other work on it; the number of
+//! instructions a record costs does not. This subcommand runs one fixed, in-process workload —
+//! librdkafka's mock cluster in this process, `--records` records of `--sessions` Zipf
+//! sessions over `--partitions` partitions produced first, then one system (sessionflow, or
+//! the raw consumer for the floor that librdkafka and the mock broker set) draining them with
+//! the bench's no-op handler. Under `valgrind --tool=callgrind` it brackets the drain with
+//! callgrind's client requests: the counters are zeroed once a tenth of the records is done
+//! (start-up, group join and the first sessions' spawning are behind it) and dumped when the
+//! last one is, so that dump holds exactly the cost of the records in between, on every thread.
+//! `bench/callgrind.sh` runs it and divides. Outside valgrind the requests do nothing, and the
+//! run reports its rate only.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use rdkafka::mocking::MockCluster;
+use sessionflow_worker::loadgen::SessionChoice;
+
+use crate::handler::{Core, HandlerSpec};
+use crate::systems::{self, SystemKind, SystemSettings};
+use crate::workload::{Load, Producer};
+
+#[derive(Debug, Args)]
+pub struct WorkloadArgs {
+    /// The system that drains the records: `sessionflow` or `ceiling`.
+    #[arg(long, default_value = "sessionflow")]
+    system: SystemKind,
+    #[arg(long, default_value_t = 50_000)]
+    records: u64,
+    #[arg(long, default_value_t = 1_000)]
+    sessions: u64,
+    #[arg(long, default_value_t = 8)]
+    partitions: i32,
+    /// Install the worker binary's telemetry (tracing subscriber + OpenTelemetry layer).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    telemetry: bool,
+    /// Give every record its spans, as when spans are exported (the exporter's own work, a
+    /// batch serialised and sent, is not included).
+    #[arg(long)]
+    spans: bool,
+}
+
+/// Callgrind's client requests (valgrind/callgrind.h): the tool base `('C','T')`, then in order
+/// DUMP_STATS, ZERO_STATS, TOGGLE_COLLECT, DUMP_STATS_AT.
+const CALLGRIND_BASE: usize = ((b'C' as usize) << 24) | ((b'T' as usize) << 16);
+const ZERO_STATS: usize = CALLGRIND_BASE + 1;
+const DUMP_STATS_AT: usize = CALLGRIND_BASE + 3;
+
+/// Valgrind's client request on x86-64 (valgrind.h's `VALGRIND_DO_CLIENT_REQUEST_EXPR`): a
+/// sequence of rotations that leaves `rdi` as it was, then `xchg rbx, rbx`. Natively it does
+/// nothing and returns `default`; under valgrind, the tool reads the request from `rax`.
+#[cfg(target_arch = "x86_64")]
+fn client_request(request: usize, arg: usize, default: usize) -> usize {
+    let args: [usize; 6] = [request, arg, 0, 0, 0, 0];
+    let mut result = default;
+    // SAFETY: the instructions change no register but rdx (declared) and the flags; valgrind
+    // reads `args` through rax while it is alive.
+    unsafe {
+        std::arch::asm!(
+            "rol rdi, 3",
+            "rol rdi, 13",
+            "rol rdi, 61",
+            "rol rdi, 51",
+            "xchg rbx, rbx",
+            inout("rdx") result,
+            in("rax") args.as_ptr(),
+            options(nostack),
+        );
+    }
+    result
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn client_request(_request: usize, _arg: usize, default: usize) -> usize {
+    default
+}
+
+/// Runs the workload; prints what `bench/callgrind.sh` reads.
+pub async fn run(args: WorkloadArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        matches!(args.system, SystemKind::Sessionflow | SystemKind::Ceiling),
+        "--system: sessionflow or ceiling"
+    );
+    let cluster = MockCluster::new(1).map_err(|e| anyhow::anyhow!("mock cluster: {e}"))?;
+    let topic = "callgrind-in";
+    let dlq = "callgrind-dlq";
+    for t in [topic, dlq] {
+        cluster
+            .create_topic(t, args.partitions, 1)
+            .map_err(|e| anyhow::anyhow!("creating topic {t}: {e}"))?;
+    }
+    let brokers = cluster.bootstrap_servers();
+    let load = Load {
+        topic: topic.into(),
+        records: args.records,
+        sessions: args.sessions,
+        choice: SessionChoice::Zipf(1.0),
+        seed: 7,
+        rate: None,
+    };
+    Producer::new(&brokers, false)?.produce(&load).await?;
+    let settings = SystemSettings {
+        brokers,
+        topic: topic.into(),
+        dlq: dlq.into(),
+        output: None,
+        group: "callgrind".into(),
+        partitions: args.partitions,
+        retry_initial_ms: 1,
+        retry_max_ms: 100,
+        pool_workers: 1,
+        pool_queue: 1,
+        session_idle_ms: 60_000,
+        telemetry: args.telemetry,
+        fetch_wait_ms: 10,
+        sessionflow_kafka: vec![],
+    };
+    let core = Arc::new(Core::new(
+        HandlerSpec::default(),
+        args.sessions as usize,
+        args.partitions as usize,
+    ));
+    let handled = || core.counts().handled;
+    let started = Instant::now();
+    let running = systems::start(args.system, &settings, core.clone()).await?;
+    if args.spans {
+        sessionflow_worker::telemetry::set_every_record_span(true);
+    }
+    let from = (args.records / 10).max(1);
+    wait_for(|| handled() >= from).await;
+    client_request(ZERO_STATS, 0, 0);
+    let first = handled();
+    let zeroed = Instant::now();
+    wait_for(|| handled() >= args.records).await;
+    let reason = c"drained";
+    client_request(DUMP_STATS_AT, reason.as_ptr() as usize, 0);
+    let last = handled();
+    let elapsed = zeroed.elapsed();
+    running.stop().await;
+    let counts = core.counts();
+    let measured = last - first;
+    println!("system: {}", args.system.label());
+    println!("records measured: {measured}");
+    println!(
+        "drain rate msg/s: {:.0}",
+        measured as f64 / elapsed.as_secs_f64()
+    );
+    println!("order violations: {}", counts.order_violations);
+    println!("wall s: {:.1}", started.elapsed().as_secs_f64());
+    anyhow::ensure!(counts.order_violations == 0, "order violations");
+    Ok(())
+}
+
+async fn wait_for(mut done: impl FnMut() -> bool) {
+    while !done() {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
