@@ -58,6 +58,8 @@ use crate::settle::{Outcome, Settler};
 
 /// How long an idle loop waits for records before it serves events and chores again.
 const POLL_TIMEOUT: Duration = Duration::from_millis(20);
+/// Events and records served from the consumer's main queue per turn, at most.
+const MAIN_QUEUE_BURST: usize = 4_096;
 /// How long a loop with a held partition waits before it looks again whether it may take more.
 const HOLD_TICK: Duration = Duration::from_millis(1);
 /// Records taken from one partition's queue per turn: a fair share before the next partition.
@@ -791,16 +793,16 @@ impl IntakeLoop {
     /// when a record was taken.
     fn drain_main_queue(&self) -> bool {
         let mut took = false;
-        while let Some(polled) = self.consumer.poll(Duration::ZERO) {
-            match polled {
-                Ok(message) => {
-                    self.intake(&message);
-                    took = true;
-                }
-                Err(e) => tracing::warn!(error = %e, "consume error"),
-            }
-        }
+        self.serve_main_queue(|message| {
+            self.intake(message);
+            took = true;
+        });
         took
+    }
+
+    /// Serves everything waiting in the consumer's main queue, handing records to `take`.
+    fn serve_main_queue(&self, take: impl FnMut(&BorrowedMessage<'_>)) {
+        partition_queues::serve_main_queue(&self.consumer, MAIN_QUEUE_BURST, take);
     }
 
     /// Takes up to a burst of waiting records from each partition that is not held. True when
@@ -1179,11 +1181,7 @@ impl IntakeLoop {
     /// Serves the consumer's events (rebalances, commit answers) without taking records: any
     /// record still in the main queue is left uncommitted, for the next owner.
     fn serve_events_only(&self) {
-        while let Some(polled) = self.consumer.poll(Duration::ZERO) {
-            if let Err(e) = polled {
-                tracing::warn!(error = %e, "consume error");
-            }
-        }
+        self.serve_main_queue(|_| {});
     }
 
     fn close(self) {
@@ -1193,7 +1191,9 @@ impl IntakeLoop {
         self.consumer.unsubscribe();
         // Serve the revocation that unsubscribing triggers, briefly.
         let until = Instant::now() + Duration::from_millis(500);
-        while Instant::now() < until && self.consumer.poll(Duration::from_millis(50)).is_some() {}
+        while Instant::now() < until && self.consumer.assignment().is_ok_and(|a| a.count() > 0) {
+            self.consumer.poll(Duration::from_millis(50));
+        }
         drop(self.consumer);
     }
 }

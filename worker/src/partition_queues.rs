@@ -84,6 +84,49 @@ pub fn detach_before_assign<C: ConsumerContext>(
     true
 }
 
+/// Serves everything waiting in the consumer's main queue — events and any stray record —
+/// up to `burst` of them, handing records to `take`.
+///
+/// `BaseConsumer::poll` serves one event (a rebalance, a log line, a commit answer) per call
+/// and then returns `None`, exactly as it does for an empty queue. A loop that stops at the
+/// first `None` serves one event per turn, and a burst of log events then holds a rebalance
+/// back by one turn each — with debug logging on, for longer than the group waits for a member
+/// to rejoin: it goes on without the member while the member still writes. So this asks the
+/// queue how much is left instead.
+pub fn serve_main_queue<C: ConsumerContext>(
+    consumer: &BaseConsumer<C>,
+    burst: usize,
+    mut take: impl FnMut(&BorrowedMessage<'_>),
+) {
+    for _ in 0..burst {
+        match consumer.poll(Duration::ZERO) {
+            Some(Ok(message)) => take(&message),
+            Some(Err(e)) => tracing::warn!(error = %e, "consume error"),
+            // An event was served, or the queue is empty.
+            None if main_queue_len(consumer) == 0 => return,
+            None => {}
+        }
+    }
+}
+
+/// Events (and stray records) waiting in the consumer's main queue.
+pub fn main_queue_len<C: ConsumerContext>(consumer: &BaseConsumer<C>) -> usize {
+    use rdkafka::bindings::{
+        rd_kafka_queue_destroy, rd_kafka_queue_get_main, rd_kafka_queue_length,
+    };
+    // SAFETY: the client pointer is valid while `consumer` is borrowed; the queue handle is our
+    // own reference, released right after use.
+    unsafe {
+        let queue = rd_kafka_queue_get_main(consumer.client().native_ptr());
+        if queue.is_null() {
+            return 0;
+        }
+        let waiting = rd_kafka_queue_length(queue);
+        rd_kafka_queue_destroy(queue);
+        waiting
+    }
+}
+
 /// The split-off queues of the partitions currently assigned.
 pub struct PartitionQueues<C: ConsumerContext + 'static> {
     consumer: Arc<BaseConsumer<C>>,
@@ -161,6 +204,42 @@ mod tests {
         assert!(
             !bell.wait(Duration::from_millis(1)),
             "two rings wake one wait"
+        );
+    }
+
+    /// librdkafka's log lines are events on the main queue (rust-rdkafka sets `log.queue`), so
+    /// a consumer logging everything fills it: one serving empties it, rather than taking one
+    /// event and stopping at the `None` that `poll` returns for it.
+    #[test]
+    fn serving_the_main_queue_serves_every_waiting_event_not_one() {
+        use rdkafka::config::RDKafkaLogLevel;
+        use rdkafka::mocking::MockCluster;
+        use rdkafka::ClientConfig;
+
+        let cluster = MockCluster::new(1).expect("mock cluster");
+        cluster.create_topic("in", 2, 1).expect("topic");
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", cluster.bootstrap_servers())
+            .set("group.id", "main-queue-test")
+            .set("debug", "all")
+            .set_log_level(RDKafkaLogLevel::Debug)
+            .create()
+            .expect("consumer");
+        consumer.subscribe(&["in"]).expect("subscribe");
+        let mut waiting = 0;
+        for _ in 0..3_000 {
+            waiting = main_queue_len(&consumer);
+            if waiting >= 40 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(waiting >= 40, "librdkafka queued {waiting} events");
+        serve_main_queue(&consumer, usize::MAX, |_| {});
+        let left = main_queue_len(&consumer);
+        assert!(
+            left <= waiting / 4,
+            "{left} of {waiting} events still waiting after one serving"
         );
     }
 

@@ -201,3 +201,89 @@ async fn a_worker_stopped_with_results_on_their_way_gives_them_up_before_leaving
         "{report}"
     );
 }
+
+/// A member serves its rebalance however many events are waiting before it. librdkafka's log
+/// lines are events on the consumer's main queue, like rebalances, and `poll` serves one event
+/// per call and then answers `None`, as it does for an empty queue: a loop that stopped at the
+/// first `None` served one event per turn. With debug logging on (hundreds of events a second),
+/// a revocation waited behind the backlog until the group had gone on without the member —
+/// which meanwhile went on writing for partitions that had new owners (chaos seed
+/// 1796124295, run with librdkafka's `debug: cgrp,protocol`).
+///
+/// Here worker `a` has librdkafka log everything it can (`debug: all`, and the worker's log
+/// level lets librdkafka's debug lines through) while worker `b` joins an eager group: `a`
+/// must give its partitions up with a revocation — not find them lost later — and no session
+/// may end on an older record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_flooded_with_log_events_serves_its_rebalance_in_time() {
+    const SESSIONS: u64 = 20;
+    const RECORDS: u64 = 3_000;
+    let mock = MockKafka::new("event-flood", 1, 4);
+    let produce = |seed: u64| {
+        let opts = LoadgenOptions {
+            choice: SessionChoice::RoundRobin,
+            seed,
+            session_prefix: format!("s{seed}-"),
+            ..LoadgenOptions::new(&mock.brokers, &mock.topics.input, RECORDS, SESSIONS)
+        };
+        async move { loadgen::run(&opts).await.expect("loadgen") }
+    };
+    produce(1).await;
+    let yaml = mock.stage_yaml(
+        "{latencyMs: 20, seed: 6}",
+        "rebalance: {strategy: eager, drainTimeoutMs: 500}",
+    );
+    let flooded = yaml.replace("kafka:\n", "kafka:\n  debug: all\n");
+    assert_ne!(flooded, yaml, "the config has a kafka section");
+    let log = std::env::temp_dir().join(sessionflow_tests::unique("flooded-worker") + ".log");
+    let a = WorkerProcess::spawn_logging_at(
+        &flooded,
+        &[],
+        std::fs::File::create(&log).expect("log file").into(),
+        // librdkafka emits only what the worker's log level lets through.
+        "info,librdkafka=debug",
+    );
+    let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    // `a` works through the first records, then idles: its loop turns slowly, and events
+    // pile up faster than one a turn before `b` comes.
+    wait_until(Duration::from_secs(90), || mock.output_count() >= RECORDS)
+        .await
+        .unwrap_or_else(|()| panic!("`a` makes progress; it said:\n{}", read_log()));
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let b = WorkerProcess::spawn(&yaml);
+    produce(2).await;
+    wait_committed_to_end_on(&mock.brokers, &mock.topics, Duration::from_secs(180))
+        .await
+        .expect("the group drains the input");
+    let stopped_a = a.terminate();
+    assert!(b.terminate().success());
+    let said = read_log();
+    let _ = std::fs::remove_file(&log);
+    let engine: Vec<&str> = said
+        .lines()
+        .filter(|l| l.contains("sessionflow_worker"))
+        .collect();
+    eprintln!("the flooded worker said:\n{}", engine.join("\n"));
+    let flood = said.lines().filter(|l| l.contains("DEBUG librdkafka")).count();
+    eprintln!("librdkafka debug lines: {flood}");
+    assert!(flood >= 1_000, "`a` was flooded: {flood} librdkafka debug lines");
+    assert!(stopped_a.success(), "`a` exits 0, got {stopped_a}");
+    assert!(
+        !said.contains("partitions lost"),
+        "the group gave up on `a` before it served its revocation"
+    );
+    let first = |what: &str| engine.iter().position(|l| l.contains(what));
+    assert!(
+        first("partition revoked") < first("stop requested"),
+        "`a` hands partitions over when `b` joins, before it is stopped"
+    );
+    let report = mock.verify();
+    eprintln!("a member flooded with log events:\n{report}");
+    assert_eq!(report.stale_ends, 0, "{report}");
+    assert!(report.is_ok(), "{report}");
+    assert_eq!(
+        report.records - report.duplicates + report.dlq_records,
+        2 * RECORDS,
+        "{report}"
+    );
+}
