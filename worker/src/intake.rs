@@ -449,6 +449,13 @@ impl IntakeContext {
             .iter()
             .map(|e| e.partition())
             .collect();
+        // The revocation can take a while (drain, write fence, final commit): say when it
+        // starts, so that a slow one shows in the log as such.
+        tracing::info!(
+            ?partitions,
+            lost = consumer.assignment_lost(),
+            "revocation begins"
+        );
         let mut book = self.book();
         let mut leases = Vec::new();
         for p in &partitions {

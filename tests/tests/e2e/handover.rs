@@ -264,9 +264,15 @@ async fn a_member_flooded_with_log_events_serves_its_rebalance_in_time() {
         .filter(|l| l.contains("sessionflow_worker"))
         .collect();
     eprintln!("the flooded worker said:\n{}", engine.join("\n"));
-    let flood = said.lines().filter(|l| l.contains("DEBUG librdkafka")).count();
+    let flood = said
+        .lines()
+        .filter(|l| l.contains("DEBUG librdkafka"))
+        .count();
     eprintln!("librdkafka debug lines: {flood}");
-    assert!(flood >= 1_000, "`a` was flooded: {flood} librdkafka debug lines");
+    assert!(
+        flood >= 1_000,
+        "`a` was flooded: {flood} librdkafka debug lines"
+    );
     assert!(stopped_a.success(), "`a` exits 0, got {stopped_a}");
     assert!(
         !said.contains("partitions lost"),
