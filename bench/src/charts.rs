@@ -314,6 +314,7 @@ pub fn load_latency_chart(series: &[LoadSeries], path: &Path) -> anyhow::Result<
     chart
         .configure_mesh()
         .x_desc("offered load, % of capacity")
+        .x_label_formatter(&|x| format!("{x:.0}"))
         .y_desc("latency, ms (produce stamp → handler done)")
         .y_label_formatter(&|v| format!("{v}"))
         .draw()?;

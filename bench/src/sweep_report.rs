@@ -132,7 +132,7 @@ pub fn section(env: &Environment, sweeps: &Sweeps) -> String {
          definitions above hold. **CPU µs/record** is the system process's CPU seconds over the \
          backlog run (from just before it started, so start-up and the group join are in it; \
          at small `--scale` they dominate) ÷ the records it handled.\n",
-        sweeps::MIDDLE.sessions,
+        fmt_int(sweeps::MIDDLE.sessions as f64),
         sweeps::MIDDLE.partitions,
         sweeps::MIDDLE.value_size
     );
@@ -188,7 +188,7 @@ pub fn section(env: &Environment, sweeps: &Sweeps) -> String {
          of it in paced runs of 10 s each (scaled), the system running and fetching before \
          the load starts. *produced* is the rate the harness's producer achieved (it shares \
          the 2 cores); *handled* the rate the system completed. A run that could not keep up \
-         hits its cap (10 s + 15 s) and its late percentiles read \"> cap\".\n\n",
+         hits its cap (the load's length + 15 s) and its late percentiles read \"> cap\".\n\n",
     );
     latency_table(sweeps, &mut md);
     let _ = writeln!(
