@@ -254,6 +254,7 @@ pub fn growth_chart(
             .x_desc(x_desc)
             .y_desc(y_desc)
             .x_label_formatter(&|x| crate::report::fmt_int(*x))
+            .y_labels(20)
             .y_label_formatter(&|v| {
                 if *v >= 10.0 {
                     crate::report::fmt_int(*v)
@@ -304,7 +305,7 @@ pub fn load_latency_chart(series: &[LoadSeries], path: &Path) -> anyhow::Result<
         .flat_map(|s| s.points.iter().flat_map(|p| [p.1, p.2]).flatten());
     let mut chart = ChartBuilder::on(&root)
         .caption(
-            "Latency against offered load (% of the capacity measured in the same run)",
+            "Latency against offered load (achieved, % of the capacity measured in the same run)",
             ("sans-serif", 20),
         )
         .margin(15)
@@ -313,7 +314,7 @@ pub fn load_latency_chart(series: &[LoadSeries], path: &Path) -> anyhow::Result<
         .build_cartesian_2d(0f64..100f64, log_range(values, 2.0).log_scale())?;
     chart
         .configure_mesh()
-        .x_desc("offered load, % of capacity")
+        .x_desc("offered load achieved by the producer, % of capacity")
         .x_label_formatter(&|x| format!("{x:.0}"))
         .y_desc("latency, ms (produce stamp → handler done)")
         .y_label_formatter(&|v| format!("{v}"))
