@@ -92,13 +92,13 @@ endef
 ## flat worker pool, scenarios P1–P5, then the growth sweeps ("How cost grows": sessions,
 ## partitions, record size, latency against offered load), on one broker (nisshi on
 ## BROKER_PORT, or BROKERS=host:port); writes BENCHMARKS.md and bench/results/ (SVG charts,
-## results.json); ~30 minutes on 2 cores
+## results.json); ~10 minutes on 2 cores (the sweeps ~4 of them)
 bench:
 	$(CARGO) build --release -p sessionflow-bench
 	$(call bench_run,)
 
 ## bench-sweeps: the growth sweeps alone; replaces only their section of BENCHMARKS.md and their
-## part of bench/results/results.json (BENCH_SCALE, default 1, shrinks them)
+## part of bench/results/results.json (BENCH_SCALE, default 1, shrinks them); ~4 minutes
 BENCH_SCALE ?= 1
 bench-sweeps:
 	$(CARGO) build --release -p sessionflow-bench
@@ -106,7 +106,7 @@ bench-sweeps:
 
 ## bench-smoke: the whole harness (P1–P5 and the sweeps) at --scale 0.02 against the local
 ## broker, the report in a temporary directory (printed; BENCHMARKS.md is not touched): checks
-## that every run works end to end, asserts no times
+## that every run works end to end, asserts no times; ~1.5 minutes on 2 cores
 bench-smoke:
 	$(CARGO) build --release -p sessionflow-bench
 	$(eval SMOKE_DIR := $(shell mktemp -d -t sessionflow-bench-smoke.XXXXXX))

@@ -223,6 +223,51 @@ pub struct GrowthSeries {
     pub points: Vec<GrowthPoint>,
 }
 
+/// One panel of a growth chart: `y` of every series' points against their x (log scale), on
+/// `area` with the y axis `y_spec` (a log or a linear range: two coordinate types, hence a
+/// macro rather than a function).
+macro_rules! growth_panel {
+    ($area:expr, $x_desc:expr, $x_range:expr, $y_spec:expr, $y_desc:expr, $y:expr, $series:expr, $legend:expr) => {{
+        let mut chart = ChartBuilder::on($area)
+            .margin(15)
+            .x_label_area_size(40)
+            .y_label_area_size(70)
+            .build_cartesian_2d($x_range.log_scale(), $y_spec)?;
+        chart
+            .configure_mesh()
+            .x_desc($x_desc)
+            .y_desc($y_desc)
+            .x_label_formatter(&|x| crate::report::fmt_int(*x))
+            .y_label_formatter(&|v| {
+                if *v >= 1_000.0 {
+                    crate::report::fmt_int(*v)
+                } else {
+                    format!("{v}")
+                }
+            })
+            .draw()?;
+        for s in $series {
+            let c = colour(s.system);
+            let points: Vec<(f64, f64)> = s.points.iter().map(|p| (p.0, $y(p))).collect();
+            chart
+                .draw_series(LineSeries::new(points.clone(), c.stroke_width(2)))?
+                .label(s.system.label())
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
+                });
+            chart.draw_series(points.into_iter().map(|p| Circle::new(p, 4, c.filled())))?;
+        }
+        if $legend {
+            chart
+                .configure_series_labels()
+                .position(SeriesLabelPosition::LowerLeft)
+                .background_style(WHITE.mix(0.9))
+                .border_style(BLACK)
+                .draw()?;
+        }
+    }};
+}
+
 /// A growth sweep: throughput (left) and CPU per record (right) against `x_desc`, one line per
 /// system, log–log.
 pub fn growth_chart(
@@ -237,50 +282,38 @@ pub fn growth_chart(
     let (left, right) = root.split_horizontally(500);
     let xs = || series.iter().flat_map(|s| s.points.iter().map(|p| p.0));
     let x_range = log_range(xs(), 1.5);
-    let panels = [
-        (&left, "backlog throughput, msg/s", false),
-        (&right, "CPU per record, µs", true),
-    ];
-    for (area, y_desc, cpu) in panels {
-        let y = |p: &GrowthPoint| if cpu { p.2 } else { p.1 };
-        let y_range = log_range(series.iter().flat_map(|s| s.points.iter().map(y)), 2.0);
-        let mut chart = ChartBuilder::on(area)
-            .margin(15)
-            .x_label_area_size(40)
-            .y_label_area_size(70)
-            .build_cartesian_2d(x_range.clone().log_scale(), y_range.log_scale())?;
-        chart
-            .configure_mesh()
-            .x_desc(x_desc)
-            .y_desc(y_desc)
-            .x_label_formatter(&|x| crate::report::fmt_int(*x))
-            .y_labels(20)
-            .y_label_formatter(&|v| {
-                if *v >= 10.0 {
-                    crate::report::fmt_int(*v)
-                } else {
-                    format!("{v:.2}")
-                }
-            })
-            .draw()?;
-        for s in series {
-            let c = colour(s.system);
-            let points: Vec<(f64, f64)> = s.points.iter().map(|p| (p.0, y(p))).collect();
-            chart
-                .draw_series(LineSeries::new(points.clone(), c.stroke_width(2)))?
-                .label(s.system.label())
-                .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
-                });
-            chart.draw_series(points.into_iter().map(|p| Circle::new(p, 4, c.filled())))?;
-        }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerLeft)
-            .background_style(WHITE.mix(0.9))
-            .border_style(BLACK)
-            .draw()?;
-    }
+    let throughput = |p: &GrowthPoint| p.1;
+    let cpu = |p: &GrowthPoint| p.2;
+    let t_range = log_range(
+        series.iter().flat_map(|s| s.points.iter().map(throughput)),
+        2.0,
+    );
+    let cpu_max = series
+        .iter()
+        .flat_map(|s| s.points.iter().map(cpu))
+        .fold(1.0f64, f64::max);
+    // Throughput on a log scale (the systems differ by multiples), CPU per record on a linear
+    // one from zero (a few µs to a few tens: log ticks would leave it unlabelled).
+    growth_panel!(
+        &left,
+        x_desc,
+        x_range.clone(),
+        t_range.log_scale(),
+        "backlog throughput, msg/s",
+        throughput,
+        series,
+        true
+    );
+    growth_panel!(
+        &right,
+        x_desc,
+        x_range,
+        0f64..cpu_max * 1.15,
+        "CPU per record, µs",
+        cpu,
+        series,
+        false
+    );
     root.present()?;
     Ok(())
 }

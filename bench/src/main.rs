@@ -95,6 +95,9 @@ enum Command {
     /// A fixed in-process workload (mock cluster) for instructions per record under callgrind
     /// (see bench/callgrind.sh).
     CallgrindWorkload(callgrind::WorkloadArgs),
+    /// Redraw every chart from `<results-dir>/results.json` (after a change to the charts),
+    /// without running anything.
+    Charts,
 }
 
 #[tokio::main]
@@ -103,6 +106,7 @@ async fn main() -> anyhow::Result<()> {
     match cli.command {
         Some(Command::Child { spec }) => return run::child(serde_json::from_str(&spec)?).await,
         Some(Command::CallgrindWorkload(args)) => return callgrind::run(args).await,
+        Some(Command::Charts) => return redraw_charts(&cli.results_dir),
         None => {}
     }
     let started = Instant::now();
@@ -267,6 +271,24 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     anyhow::ensure!(failures.is_empty(), "{} run(s) failed", failures.len());
+    Ok(())
+}
+
+/// Every chart, from the results.json in `dir`.
+fn redraw_charts(dir: &std::path::Path) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(dir.join("results.json"))?;
+    let mut results: serde_json::Value = serde_json::from_str(&text)?;
+    let outcomes: Vec<scenarios::Outcome> = serde_json::from_value(results["scenarios"].take())?;
+    if !outcomes.is_empty() {
+        charts::throughput_chart(&outcomes, &dir.join("throughput.svg"))?;
+    }
+    if let Some(p4) = outcomes.iter().find(|o| o.scenario.id == ScenarioId::P4) {
+        charts::p4_latency_chart(p4, &dir.join("p4-latency-cdf.svg"))?;
+    }
+    let sweeps: Option<sweeps::Sweeps> = serde_json::from_value(results["sweeps"].take())?;
+    if let Some(sweeps) = sweeps {
+        sweep_report::write_charts(&sweeps, dir)?;
+    }
     Ok(())
 }
 
