@@ -189,7 +189,6 @@ async fn main() -> anyhow::Result<()> {
         let sweeps = sweeps::run(&opts, cli.scale, &selection).await;
         sweep_env.load_after = load_average();
         failures.extend(sweeps.failures.iter().map(|f| format!("sweeps: {f}")));
-        sweep_report::write_charts(&sweeps, &cli.results_dir)?;
         growth = Some((sweep_report::section(&sweep_env, &sweeps), sweeps));
     }
     env.load_after = load_average();
@@ -212,12 +211,7 @@ async fn main() -> anyhow::Result<()> {
         results["sweeps"] = serde_json::to_value(sweeps)?;
     }
     std::fs::write(&results_path, serde_json::to_string_pretty(&results)?)?;
-    if !sweeps_alone {
-        charts::throughput_chart(&outcomes, &cli.results_dir.join("throughput.svg"))?;
-    }
-    if let Some(p4) = outcomes.iter().find(|o| o.scenario.id == ScenarioId::P4) {
-        charts::p4_latency_chart(p4, &cli.results_dir.join("p4-latency-cdf.svg"))?;
-    }
+    draw_charts(&outcomes, growth.as_ref().map(|(_, s)| s), &cli.results_dir)?;
     let growth_md = growth.as_ref().map(|(md, _)| md.as_str());
     if sweeps_alone {
         if let (Some(section), Ok(existing)) = (growth_md, std::fs::read_to_string(&cli.out)) {
@@ -274,22 +268,31 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The charts of what ran (a run of the sweeps alone leaves the scenarios' charts as they are).
+fn draw_charts(
+    outcomes: &[scenarios::Outcome],
+    sweeps: Option<&sweeps::Sweeps>,
+    dir: &std::path::Path,
+) -> anyhow::Result<()> {
+    if !outcomes.is_empty() {
+        charts::throughput_chart(outcomes, &dir.join("throughput.svg"))?;
+    }
+    if let Some(p4) = outcomes.iter().find(|o| o.scenario.id == ScenarioId::P4) {
+        charts::p4_latency_chart(p4, &dir.join("p4-latency-cdf.svg"))?;
+    }
+    if let Some(sweeps) = sweeps {
+        sweep_report::write_charts(sweeps, dir)?;
+    }
+    Ok(())
+}
+
 /// Every chart, from the results.json in `dir`.
 fn redraw_charts(dir: &std::path::Path) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(dir.join("results.json"))?;
     let mut results: serde_json::Value = serde_json::from_str(&text)?;
     let outcomes: Vec<scenarios::Outcome> = serde_json::from_value(results["scenarios"].take())?;
-    if !outcomes.is_empty() {
-        charts::throughput_chart(&outcomes, &dir.join("throughput.svg"))?;
-    }
-    if let Some(p4) = outcomes.iter().find(|o| o.scenario.id == ScenarioId::P4) {
-        charts::p4_latency_chart(p4, &dir.join("p4-latency-cdf.svg"))?;
-    }
     let sweeps: Option<sweeps::Sweeps> = serde_json::from_value(results["sweeps"].take())?;
-    if let Some(sweeps) = sweeps {
-        sweep_report::write_charts(&sweeps, dir)?;
-    }
-    Ok(())
+    draw_charts(&outcomes, sweeps.as_ref(), dir)
 }
 
 /// `KEY=VALUE`.
