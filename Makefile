@@ -73,19 +73,46 @@ image-test:
 chart-check:
 	scripts/chart-check.sh
 
-.PHONY: bench
+.PHONY: bench bench-sweeps bench-smoke
+
+# The harness's binary (cargo honours CARGO_TARGET_DIR; so does this).
+BENCH_BIN = $(or $(CARGO_TARGET_DIR),target)/release/sessionflow-bench
+# Runs the harness with $(1) against BROKERS, or against a local broker (started if none answers
+# on BROKER_PORT, stopped afterwards if it was started).
+define bench_run
+	@if [ -n "$(BROKERS)" ]; then \
+	  SESSIONFLOW_BENCH_GOAL=$@ $(BENCH_BIN) --brokers "$(BROKERS)" $(1); \
+	else \
+	  SESSIONFLOW_BENCH_GOAL=$@ scripts/with-broker.sh $(BENCH_BIN) \
+	    --broker-pid-file .local/broker-$(BROKER_PORT).pid $(1); \
+	fi
+endef
 
 ## bench: sessionflow against a raw-consumer ceiling, a per-partition sequential consumer and a
-## flat worker pool, scenarios P1–P5, on one broker (nisshi on BROKER_PORT, or BROKERS=host:port);
-## writes BENCHMARKS.md and bench/results/ (SVG charts, results.json); ~15 minutes on 2 cores
+## flat worker pool, scenarios P1–P5, then the growth sweeps ("How cost grows": sessions,
+## partitions, record size, latency against offered load), on one broker (nisshi on
+## BROKER_PORT, or BROKERS=host:port); writes BENCHMARKS.md and bench/results/ (SVG charts,
+## results.json); ~10 minutes on 2 cores (the sweeps ~4 of them)
 bench:
 	$(CARGO) build --release -p sessionflow-bench
-	@if [ -n "$(BROKERS)" ]; then \
-	  target/release/sessionflow-bench --brokers "$(BROKERS)"; \
-	else \
-	  scripts/with-broker.sh target/release/sessionflow-bench \
-	    --broker-pid-file .local/broker-$(BROKER_PORT).pid; \
-	fi
+	$(call bench_run,)
+
+## bench-sweeps: the growth sweeps alone; replaces only their section of BENCHMARKS.md and their
+## part of bench/results/results.json (BENCH_SCALE, default 1, shrinks them); ~4 minutes
+BENCH_SCALE ?= 1
+bench-sweeps:
+	$(CARGO) build --release -p sessionflow-bench
+	$(call bench_run,--only sweeps --scale $(BENCH_SCALE))
+
+## bench-smoke: the whole harness (P1–P5 and the sweeps) at --scale 0.02 against the local
+## broker, the report in a temporary directory (printed; BENCHMARKS.md is not touched): checks
+## that every run works end to end, asserts no times; ~1.5 minutes on 2 cores
+bench-smoke:
+	$(CARGO) build --release -p sessionflow-bench
+	$(eval SMOKE_DIR := $(shell mktemp -d -t sessionflow-bench-smoke.XXXXXX))
+	@echo "bench-smoke: report in $(SMOKE_DIR)"
+	$(call bench_run,--scale 0.02 --out $(SMOKE_DIR)/BENCHMARKS.md --results-dir $(SMOKE_DIR)/results --log-dir $(SMOKE_DIR)/logs)
+	@echo "bench-smoke: report in $(SMOKE_DIR)/BENCHMARKS.md"
 
 .PHONY: callgrind
 

@@ -100,6 +100,7 @@ pub async fn run(args: WorkloadArgs) -> anyhow::Result<()> {
         choice: SessionChoice::Zipf(1.0),
         seed: 7,
         rate: None,
+        value_size: crate::workload::VALUE_SIZE,
     };
     Producer::new(&brokers, false)?.produce(&load).await?;
     let settings = SystemSettings {

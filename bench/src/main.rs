@@ -1,10 +1,11 @@
 //! `sessionflow-bench`: the harness behind `make bench`.
 //!
 //! It runs every scenario ([`scenarios`]) against the four systems ([`systems`]) on one broker,
-//! each run in a child process of this same binary ([`run`]), measures them the same way
-//! ([`measurement`], [`handler`], [`workload`]), and writes BENCHMARKS.md ([`report`]) with
-//! SVG charts ([`charts`]) and the raw results as JSON. It measures and reports; it asserts
-//! nothing about time.
+//! then the growth sweeps ([`sweeps`]), each run in a child process of this same binary
+//! ([`run`]), measures them the same way ([`measurement`], [`handler`], [`workload`]), and
+//! writes BENCHMARKS.md ([`report`], [`sweep_report`]) with SVG charts ([`charts`]) and the raw
+//! results as JSON. It measures and reports; it asserts nothing about time. `--only sweeps`
+//! runs the sweeps alone and replaces only their section and their part of results.json.
 
 mod callgrind;
 mod charts;
@@ -13,6 +14,8 @@ mod measurement;
 mod report;
 mod run;
 mod scenarios;
+mod sweep_report;
+mod sweeps;
 mod systems;
 mod workload;
 
@@ -44,7 +47,8 @@ struct Cli {
     /// Multiplies record counts and durations (development: e.g. 0.05).
     #[arg(long, default_value_t = 1.0)]
     scale: f64,
-    /// Run only these scenarios (comma-separated), e.g. `--only p1,p3`.
+    /// Run only these scenarios (comma-separated), e.g. `--only p1,p3`; `sweeps` is the growth
+    /// sweeps (`--only sweeps` runs them alone).
     #[arg(long, value_delimiter = ',')]
     only: Vec<ScenarioId>,
     /// Run only these systems, e.g. `--systems sessionflow` or `--systems sessionflow-output`
@@ -91,6 +95,9 @@ enum Command {
     /// A fixed in-process workload (mock cluster) for instructions per record under callgrind
     /// (see bench/callgrind.sh).
     CallgrindWorkload(callgrind::WorkloadArgs),
+    /// Redraw every chart from `<results-dir>/results.json` (after a change to the charts),
+    /// without running anything.
+    Charts,
 }
 
 #[tokio::main]
@@ -99,6 +106,7 @@ async fn main() -> anyhow::Result<()> {
     match cli.command {
         Some(Command::Child { spec }) => return run::child(serde_json::from_str(&spec)?).await,
         Some(Command::CallgrindWorkload(args)) => return callgrind::run(args).await,
+        Some(Command::Charts) => return redraw_charts(&cli.results_dir),
         None => {}
     }
     let started = Instant::now();
@@ -166,16 +174,61 @@ async fn main() -> anyhow::Result<()> {
             }
         }
     }
+    let sweeps_alone = !cli.only.is_empty() && cli.only.iter().all(|i| *i == ScenarioId::Sweeps);
+    let mut growth = None;
+    if cli.only.is_empty() || cli.only.contains(&ScenarioId::Sweeps) {
+        let mut sweep_env = report::Environment {
+            date: output_of("date", &["-u", "+%Y-%m-%d %H:%M UTC"]).unwrap_or_default(),
+            load_before: load_average(),
+            ..env.clone()
+        };
+        let selection = sweeps::Selection {
+            only: &cli.systems,
+            with_output: cli.sessionflow_output,
+        };
+        let sweeps = sweeps::run(&opts, cli.scale, &selection).await;
+        sweep_env.load_after = load_average();
+        failures.extend(sweeps.failures.iter().map(|f| format!("sweeps: {f}")));
+        growth = Some((sweep_report::section(&sweep_env, &sweeps), sweeps));
+    }
     env.load_after = load_average();
     env.wall_s = started.elapsed().as_secs_f64();
 
-    std::fs::write(
-        cli.results_dir.join("results.json"),
-        serde_json::to_string_pretty(&outcomes)?,
-    )?;
-    charts::throughput_chart(&outcomes, &cli.results_dir.join("throughput.svg"))?;
-    if let Some(p4) = outcomes.iter().find(|o| o.scenario.id == ScenarioId::P4) {
-        charts::p4_latency_chart(p4, &cli.results_dir.join("p4-latency-cdf.svg"))?;
+    let results_path = cli.results_dir.join("results.json");
+    let mut results = serde_json::json!({ "scenarios": outcomes, "sweeps": null });
+    if sweeps_alone {
+        // Keep the scenarios of the last full run (an older file is the bare array).
+        let old: Option<serde_json::Value> = std::fs::read_to_string(&results_path)
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok());
+        results["scenarios"] = match old {
+            Some(serde_json::Value::Array(a)) => serde_json::Value::Array(a),
+            Some(mut v) => v["scenarios"].take(),
+            None => serde_json::Value::Array(vec![]),
+        };
+    }
+    if let Some((_, sweeps)) = &growth {
+        results["sweeps"] = serde_json::to_value(sweeps)?;
+    }
+    std::fs::write(&results_path, serde_json::to_string_pretty(&results)?)?;
+    draw_charts(&outcomes, growth.as_ref().map(|(_, s)| s), &cli.results_dir)?;
+    let growth_md = growth.as_ref().map(|(md, _)| md.as_str());
+    if sweeps_alone {
+        if let (Some(section), Ok(existing)) = (growth_md, std::fs::read_to_string(&cli.out)) {
+            let notes = std::fs::read_to_string(&cli.notes).ok();
+            let first_line = notes.as_deref().and_then(|n| n.lines().next());
+            std::fs::write(
+                &cli.out,
+                sweep_report::splice(&existing, section, first_line),
+            )?;
+            eprintln!(
+                "sessionflow-bench: replaced the sweeps' section of {} ({:.0} s)",
+                cli.out.display(),
+                env.wall_s
+            );
+            anyhow::ensure!(failures.is_empty(), "{} run(s) failed", failures.len());
+            return Ok(());
+        }
     }
     let mut notes = std::fs::read_to_string(&cli.notes).ok();
     if !failures.is_empty() {
@@ -192,7 +245,7 @@ async fn main() -> anyhow::Result<()> {
     }
     std::fs::write(
         &cli.out,
-        report::markdown(&env, &outcomes, notes.as_deref()),
+        report::markdown(&env, &outcomes, growth_md, notes.as_deref()),
     )?;
     eprintln!(
         "sessionflow-bench: wrote {} in {:.0} s",
@@ -211,8 +264,35 @@ async fn main() -> anyhow::Result<()> {
             }
         );
     }
-    anyhow::ensure!(failures.is_empty(), "{} scenario(s) failed", failures.len());
+    anyhow::ensure!(failures.is_empty(), "{} run(s) failed", failures.len());
     Ok(())
+}
+
+/// The charts of what ran (a run of the sweeps alone leaves the scenarios' charts as they are).
+fn draw_charts(
+    outcomes: &[scenarios::Outcome],
+    sweeps: Option<&sweeps::Sweeps>,
+    dir: &std::path::Path,
+) -> anyhow::Result<()> {
+    if !outcomes.is_empty() {
+        charts::throughput_chart(outcomes, &dir.join("throughput.svg"))?;
+    }
+    if let Some(p4) = outcomes.iter().find(|o| o.scenario.id == ScenarioId::P4) {
+        charts::p4_latency_chart(p4, &dir.join("p4-latency-cdf.svg"))?;
+    }
+    if let Some(sweeps) = sweeps {
+        sweep_report::write_charts(sweeps, dir)?;
+    }
+    Ok(())
+}
+
+/// Every chart, from the results.json in `dir`.
+fn redraw_charts(dir: &std::path::Path) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(dir.join("results.json"))?;
+    let mut results: serde_json::Value = serde_json::from_str(&text)?;
+    let outcomes: Vec<scenarios::Outcome> = serde_json::from_value(results["scenarios"].take())?;
+    let sweeps: Option<sweeps::Sweeps> = serde_json::from_value(results["sweeps"].take())?;
+    draw_charts(&outcomes, sweeps.as_ref(), dir)
 }
 
 /// `KEY=VALUE`.
@@ -222,13 +302,15 @@ fn key_value(s: &str) -> Result<(String, String), String> {
         .ok_or_else(|| format!("expected KEY=VALUE, got {s:?}"))
 }
 
-/// How this benchmark was started (`make bench` sets MAKELEVEL for its recipes).
+/// How this benchmark was started (`make bench` sets MAKELEVEL for its recipes, and the bench
+/// targets name themselves in SESSIONFLOW_BENCH_GOAL).
 fn command_line() -> String {
     let args: Vec<String> = std::env::args().collect();
     let argv = args.join(" ");
     if std::env::var_os("MAKELEVEL").is_some() {
         let port = std::env::var("BROKER_PORT").unwrap_or_default();
-        format!("make bench BROKER_PORT={port}` → `{argv}")
+        let goal = std::env::var("SESSIONFLOW_BENCH_GOAL").unwrap_or_else(|_| "bench".into());
+        format!("make {goal} BROKER_PORT={port}` → `{argv}")
     } else {
         argv
     }

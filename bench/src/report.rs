@@ -72,7 +72,7 @@ fn throughput(o: &Outcome, kind: SystemKind) -> Option<f64> {
         .and_then(|m| m.result.throughput())
 }
 
-fn healthy_quantile(m: Option<&Measured>, q: f64) -> Option<f64> {
+pub fn healthy_quantile(m: Option<&Measured>, q: f64) -> Option<f64> {
     let m = m?;
     m.result.healthy.quantile(q, m.censored_healthy())
 }
@@ -214,7 +214,7 @@ pub fn verdicts(outcomes: &[Outcome]) -> Vec<Verdict> {
     out
 }
 
-fn mib(bytes: u64) -> String {
+pub fn mib(bytes: u64) -> String {
     format!("{:.0}", bytes as f64 / 1048576.0)
 }
 
@@ -226,7 +226,8 @@ fn latency_cells(m: Option<&Measured>) -> [String; 3] {
     [0.5, 0.99, 0.999].map(|q| fmt_ms(healthy_quantile(Some(m), q), cap))
 }
 
-fn rate_cell(m: Option<&Measured>) -> String {
+/// A run's throughput, with how far it got when its time cap ended it.
+pub fn rate_cell(m: Option<&Measured>) -> String {
     match m.and_then(|m| m.result.throughput().map(|t| (t, m))) {
         None => "—".into(),
         Some((t, m)) if m.result.capped => format!(
@@ -400,8 +401,14 @@ fn ratios_table(outcomes: &[Outcome], md: &mut String) {
     md.push('\n');
 }
 
-/// The whole of BENCHMARKS.md.
-pub fn markdown(env: &Environment, outcomes: &[Outcome], notes: Option<&str>) -> String {
+/// The whole of BENCHMARKS.md; `growth` is the "How cost grows" section
+/// ([`crate::sweep_report`]), placed before the hand-written notes.
+pub fn markdown(
+    env: &Environment,
+    outcomes: &[Outcome],
+    growth: Option<&str>,
+    notes: Option<&str>,
+) -> String {
     let mut md = String::new();
     let _ = writeln!(
         md,
@@ -522,6 +529,10 @@ pub fn markdown(env: &Environment, outcomes: &[Outcome], notes: Option<&str>) ->
          ![P4 latency distribution of the healthy sessions](bench/results/p4-latency-cdf.svg)\n\n\
          The raw results (every histogram) are in `bench/results/results.json`.\n\n",
     );
+    if let Some(growth) = growth {
+        md.push_str(growth);
+        md.push('\n');
+    }
     if let Some(notes) = notes {
         md.push_str(notes.trim_end());
         md.push('\n');

@@ -20,7 +20,7 @@ use crate::handler::HandlerSpec;
 use crate::measurement::{now_us, process_cpu_seconds};
 use crate::run::{ChildRun, RunResult, RunSpec};
 use crate::systems::{SystemKind, SystemSettings};
-use crate::workload::{Load, Producer};
+use crate::workload::{Load, Producer, VALUE_SIZE};
 
 /// The seed article's synthetic test: 14,027 msg/s with a median latency of 11.7 ms.
 pub const SEED_RATE: f64 = 14_027.0;
@@ -45,6 +45,9 @@ pub enum ScenarioId {
     P3,
     P4,
     P5,
+    /// Not a scenario of its own: the growth sweeps ([`crate::sweeps`]), whose points are
+    /// scenarios with this id (`--only sweeps` runs them alone).
+    Sweeps,
 }
 
 /// How records are spread over sessions (loadgen's choices).
@@ -107,14 +110,36 @@ pub struct Scenario {
     pub fault_free: Option<Paced>,
     pub systems: Vec<SystemKind>,
     pub memory: bool,
+    /// Bytes of each record's value.
+    #[serde(default = "default_value_size")]
+    pub value_size: usize,
+    /// A sweep point's name (e.g. `sessions-1000`), which tells its topics, groups and logs
+    /// apart from the other points'; `None` for P1–P5.
+    #[serde(default)]
+    pub point: Option<String>,
 }
 
-fn scaled(n: u64, scale: f64) -> u64 {
+fn default_value_size() -> usize {
+    VALUE_SIZE
+}
+
+impl Scenario {
+    /// The name in topics, groups and log files: `p1`, or `sweeps-sessions-1000`.
+    pub fn slug(&self) -> String {
+        let id = format!("{:?}", self.id).to_lowercase();
+        match &self.point {
+            Some(point) => format!("{id}-{point}"),
+            None => id,
+        }
+    }
+}
+
+pub fn scaled(n: u64, scale: f64) -> u64 {
     ((n as f64 * scale).round() as u64).max(1_000)
 }
 
 /// A paced load of `secs` (scaled) at `rate`.
-fn paced(rate: f64, secs: f64, grace_secs: f64, scale: f64) -> Paced {
+pub fn paced(rate: f64, secs: f64, grace_secs: f64, scale: f64) -> Paced {
     let secs = secs * scale;
     Paced {
         rate: Some(rate),
@@ -154,6 +179,8 @@ pub fn all(scale: f64) -> Vec<Scenario> {
             fault_free: None,
             systems: every.clone(),
             memory: false,
+            value_size: VALUE_SIZE,
+            point: None,
         },
         Scenario {
             id: ScenarioId::P2,
@@ -181,6 +208,8 @@ pub fn all(scale: f64) -> Vec<Scenario> {
             fault_free: None,
             systems: every.clone(),
             memory: false,
+            value_size: VALUE_SIZE,
+            point: None,
         },
         Scenario {
             id: ScenarioId::P3,
@@ -215,6 +244,8 @@ pub fn all(scale: f64) -> Vec<Scenario> {
             fault_free: None,
             systems: every.clone(),
             memory: false,
+            value_size: VALUE_SIZE,
+            point: None,
         },
         Scenario {
             id: ScenarioId::P4,
@@ -249,6 +280,8 @@ pub fn all(scale: f64) -> Vec<Scenario> {
             fault_free: Some(paced(4_000.0, 20.0, 15.0, s)),
             systems: every,
             memory: false,
+            value_size: VALUE_SIZE,
+            point: None,
         },
         Scenario {
             id: ScenarioId::P5,
@@ -275,6 +308,8 @@ pub fn all(scale: f64) -> Vec<Scenario> {
             fault_free: None,
             systems: vec![SystemKind::Sessionflow],
             memory: true,
+            value_size: VALUE_SIZE,
+            point: None,
         },
     ]
 }
@@ -389,7 +424,7 @@ fn unique_tag() -> String {
 pub async fn run(opts: &Options, sc: &Scenario) -> anyhow::Result<Outcome> {
     let started = Instant::now();
     let tag = unique_tag();
-    let id = format!("{:?}", sc.id).to_lowercase();
+    let id = sc.slug();
     let dlq = format!("bench-{id}-dlq-{tag}");
     topics::create(&opts.brokers, &[&dlq], 1).await?;
     let mut systems: Vec<SystemOutcome> = sc
@@ -481,6 +516,7 @@ fn load(sc: &Scenario, topic: &str, records: u64, rate: Option<f64>) -> Load {
         choice: sc.choice.loadgen(),
         seed: sc.seed,
         rate,
+        value_size: sc.value_size,
     }
 }
 
@@ -495,7 +531,7 @@ fn spec(
     kind: &str,
     handler: &HandlerSpec,
 ) -> RunSpec {
-    let id = format!("{:?}", sc.id).to_lowercase();
+    let id = sc.slug();
     RunSpec {
         system,
         settings: SystemSettings {

@@ -25,7 +25,8 @@ use crate::measurement::now_us;
 
 /// Bytes of the value before the padding: timestamp (8), session index (4), flags (4).
 const PREFIX: usize = 16;
-/// Value size, like loadgen's default record (prefix + padding).
+/// Value size, like loadgen's default record (prefix + padding); the record-size sweep
+/// ([`crate::sweeps`]) sets its own.
 pub const VALUE_SIZE: usize = 80;
 const FLAG_WARMUP: u32 = 1;
 
@@ -38,13 +39,15 @@ pub struct RecordView {
     pub warmup: bool,
 }
 
-pub fn encode_value(produced_us: u64, sid: u32, warmup: bool) -> Vec<u8> {
-    let mut v = Vec::with_capacity(VALUE_SIZE);
+/// A record's value of `size` bytes (at least the prefix).
+pub fn encode_value(produced_us: u64, sid: u32, warmup: bool, size: usize) -> Vec<u8> {
+    let size = size.max(PREFIX);
+    let mut v = Vec::with_capacity(size);
     v.extend_from_slice(&produced_us.to_le_bytes());
     v.extend_from_slice(&sid.to_le_bytes());
     let flags = if warmup { FLAG_WARMUP } else { 0 };
     v.extend_from_slice(&flags.to_le_bytes());
-    v.resize(VALUE_SIZE, b'x');
+    v.resize(size, b'x');
     v
 }
 
@@ -95,6 +98,8 @@ pub struct Load {
     pub seed: u64,
     /// Records per second; `None`: as fast as the broker takes them.
     pub rate: Option<f64>,
+    /// Bytes of each record's value.
+    pub value_size: usize,
 }
 
 /// How producing went.
@@ -127,7 +132,7 @@ impl Producer {
     pub async fn warmups(&self, topic: &str, partitions: i32) -> anyhow::Result<()> {
         for p in 0..partitions {
             let key = format!("warmup-{p}");
-            let value = encode_value(now_us(), u32::MAX, true);
+            let value = encode_value(now_us(), u32::MAX, true, VALUE_SIZE);
             let record = FutureRecord::to(topic)
                 .partition(p)
                 .key(key.as_bytes())
@@ -163,7 +168,7 @@ impl Producer {
                 seqs[sid as usize] += 1;
                 let seq = seqs[sid as usize].to_string();
                 let key = session_key(sid);
-                let value = encode_value(now_us(), sid, false);
+                let value = encode_value(now_us(), sid, false, load.value_size);
                 let headers = OwnedHeaders::new().insert(Header {
                     key: header::SEQ,
                     value: Some(seq.as_bytes()),
@@ -235,8 +240,10 @@ mod tests {
 
     #[test]
     fn values_round_trip() {
-        let v = encode_value(1_234_567, 42, false);
+        let v = encode_value(1_234_567, 42, false, VALUE_SIZE);
         assert_eq!(v.len(), VALUE_SIZE);
+        assert_eq!(encode_value(1, 1, false, 10_000).len(), 10_000);
+        assert_eq!(encode_value(1, 1, false, 3).len(), PREFIX);
         assert_eq!(
             decode(Some(&v), Some(b"17")),
             Some(RecordView {
@@ -246,7 +253,7 @@ mod tests {
                 warmup: false
             })
         );
-        let w = encode_value(5, u32::MAX, true);
+        let w = encode_value(5, u32::MAX, true, VALUE_SIZE);
         assert!(decode(Some(&w), None).unwrap().warmup);
     }
 
@@ -254,7 +261,7 @@ mod tests {
     fn foreign_records_are_not_read() {
         assert_eq!(decode(None, Some(b"1")), None);
         assert_eq!(decode(Some(b"short"), Some(b"1")), None);
-        let v = encode_value(1, 1, false);
+        let v = encode_value(1, 1, false, VALUE_SIZE);
         assert_eq!(decode(Some(&v), None), None);
         assert_eq!(decode(Some(&v), Some(b"x")), None);
     }
