@@ -10,6 +10,7 @@
 //! The checking is pure ([`Checker`]); reading a topic is the only I/O.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt;
 use std::time::{Duration, Instant};
 
 use rdkafka::config::ClientConfig;
@@ -206,6 +207,36 @@ struct SessionSeen {
     max: u64,
     /// The last sequence number written for the session.
     last: u64,
+    /// Where the records of `last` and of `max` are, when known: a stale end names both, so
+    /// that the worker that wrote the late one can be found from its time.
+    last_at: Option<Place>,
+    max_at: Option<Place>,
+}
+
+/// An output record's place and timestamp.
+#[derive(Debug, Clone, Copy)]
+struct Place {
+    partition: i32,
+    offset: i64,
+    timestamp_ms: Option<i64>,
+}
+
+impl fmt::Display for Place {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "partition {} offset {}", self.partition, self.offset)?;
+        if let Some(ms) = self.timestamp_ms {
+            let day_ms = ms.rem_euclid(86_400_000);
+            write!(
+                f,
+                ", written {:02}:{:02}:{:02}.{:03} UTC",
+                day_ms / 3_600_000,
+                day_ms / 60_000 % 60,
+                day_ms / 1_000 % 60,
+                day_ms % 1_000
+            )?;
+        }
+        Ok(())
+    }
 }
 
 const MAX_EXAMPLES: usize = 10;
@@ -217,6 +248,21 @@ impl Checker {
 
     /// Feeds an output record, in its partition's offset order.
     pub fn output(&mut self, session: Option<&str>, seq: Option<u64>) {
+        self.output_at(session, seq, None);
+    }
+
+    /// [`output`](Self::output) for a record read from the topic: a stale end then says where
+    /// its records are and when they were written.
+    pub fn output_record(&mut self, r: &SeqRecord) {
+        let place = Place {
+            partition: r.partition,
+            offset: r.offset,
+            timestamp_ms: r.timestamp_ms,
+        };
+        self.output_at(r.session.as_deref(), r.seq, Some(place));
+    }
+
+    fn output_at(&mut self, session: Option<&str>, seq: Option<u64>, place: Option<Place>) {
         self.report.records += 1;
         let (Some(session), Some(seq)) = (session, seq) else {
             self.report.unsequenced += 1;
@@ -233,8 +279,12 @@ impl Checker {
                     .push(format!("session {session}: seq {seq} after seq {}", s.max));
             }
         }
-        s.max = s.max.max(seq);
+        if seq >= s.max {
+            s.max = seq;
+            s.max_at = place;
+        }
         s.last = seq;
+        s.last_at = place;
     }
 
     /// Feeds a DLQ record: accounted for, not part of the order check.
@@ -262,10 +312,14 @@ impl Checker {
             if s.last < s.max {
                 self.report.stale_ends += 1;
                 if self.report.examples.len() < MAX_EXAMPLES {
-                    self.report.examples.push(format!(
+                    let mut example = format!(
                         "session {session}: ends on seq {} after seq {}",
                         s.last, s.max
-                    ));
+                    );
+                    if let (Some(last), Some(max)) = (s.last_at, s.max_at) {
+                        example += &format!(" (seq {} at {last}; seq {} at {max})", s.last, s.max);
+                    }
+                    self.report.examples.push(example);
                 }
             }
             for seq in 1..=s.max {
@@ -324,7 +378,7 @@ pub fn run(opts: &VerifyOptions) -> anyhow::Result<VerifyReport> {
     };
     let mut checker = Checker::new();
     for r in read(&opts.topic)? {
-        checker.output(r.session.as_deref(), r.seq);
+        checker.output_record(&r);
     }
     if let Some(dlq) = &opts.dlq {
         for r in read(dlq)? {
@@ -347,6 +401,36 @@ pub fn run(opts: &VerifyOptions) -> anyhow::Result<VerifyReport> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn record(partition: i32, offset: i64, seq: u64, timestamp_ms: i64) -> SeqRecord {
+        SeqRecord {
+            partition,
+            offset,
+            key: None,
+            session: Some("s".into()),
+            seq: Some(seq),
+            headers: Vec::new(),
+            value: Vec::new(),
+            timestamp_ms: Some(timestamp_ms),
+        }
+    }
+
+    #[test]
+    fn a_stale_end_says_where_and_when_its_records_were_written() {
+        let mut c = Checker::new();
+        c.output_record(&record(3, 10, 1, 0));
+        c.output_record(&record(3, 11, 2, 45_296_789)); // 12:34:56.789
+        c.output_record(&record(3, 12, 1, 86_400_000 + 3_723_004)); // 01:02:03.004, next day
+        let r = c.finish(None::<Vec<(&str, u64)>>);
+        assert_eq!(r.stale_ends, 1);
+        assert_eq!(
+            r.examples,
+            [
+                "session s: ends on seq 1 after seq 2 (seq 1 at partition 3 offset 12, written \
+              01:02:03.004 UTC; seq 2 at partition 3 offset 11, written 12:34:56.789 UTC)"
+            ]
+        );
+    }
 
     fn check(
         output: &[(&str, u64)],

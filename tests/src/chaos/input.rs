@@ -27,7 +27,7 @@ impl InputAudit {
     pub fn read(brokers: &str, topic: &str, acknowledged: Option<u64>) -> anyhow::Result<Self> {
         let mut checker = Checker::new();
         for r in read_topic(brokers, topic, None, Duration::from_secs(300))? {
-            checker.output(r.session.as_deref(), r.seq);
+            checker.output_record(&r);
         }
         let report = checker.finish(None::<Vec<(&str, u64)>>);
         Ok(Self {
