@@ -155,13 +155,7 @@ async fn a_worker_stopped_with_results_on_their_way_gives_them_up_before_leaving
     );
     let lingering = yaml.replace("linger.ms: '2'", "linger.ms: '40000'");
     assert_ne!(lingering, yaml, "the test's linger.ms is in the config");
-    let log = std::env::temp_dir().join(sessionflow_tests::unique("stopped-worker") + ".log");
-    let a = WorkerProcess::spawn_logging_at(
-        &lingering,
-        &[],
-        std::fs::File::create(&log).expect("log file").into(),
-        "info",
-    );
+    let (a, log) = spawn_logged(&lingering, "stopped-worker", "info");
     let b = WorkerProcess::spawn(&yaml);
     let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
     // Both hold partitions; `b`'s sessions make progress, `a`'s wait for their first results.
@@ -235,14 +229,8 @@ async fn a_member_flooded_with_log_events_serves_its_rebalance_in_time() {
     );
     let flooded = yaml.replace("kafka:\n", "kafka:\n  debug: all\n");
     assert_ne!(flooded, yaml, "the config has a kafka section");
-    let log = std::env::temp_dir().join(sessionflow_tests::unique("flooded-worker") + ".log");
-    let a = WorkerProcess::spawn_logging_at(
-        &flooded,
-        &[],
-        std::fs::File::create(&log).expect("log file").into(),
-        // librdkafka emits only what the worker's log level lets through.
-        "info,librdkafka=debug",
-    );
+    // librdkafka emits only what the worker's log level lets through.
+    let (a, log) = spawn_logged(&flooded, "flooded-worker", "info,librdkafka=debug");
     let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
     // `a` works through the first records, then idles: its loop turns slowly, and events
     // pile up faster than one a turn before `b` comes.
@@ -292,4 +280,17 @@ async fn a_member_flooded_with_log_events_serves_its_rebalance_in_time() {
         2 * RECORDS,
         "{report}"
     );
+}
+
+/// A worker process logging at `level` to a file of its own (named after `name`), for a test
+/// that reads what it said; the test removes the file when it is done.
+fn spawn_logged(yaml: &str, name: &str, level: &str) -> (WorkerProcess, std::path::PathBuf) {
+    let log = std::env::temp_dir().join(sessionflow_tests::unique(name) + ".log");
+    let worker = WorkerProcess::spawn_logging_at(
+        yaml,
+        &[],
+        std::fs::File::create(&log).expect("log file").into(),
+        level,
+    );
+    (worker, log)
 }
