@@ -80,8 +80,9 @@ pub struct Memory {
     pub peak_rss: u64,
     /// Every session reaped after the load.
     pub after_reap_rss: u64,
-    /// Diagnostic: heap bytes still allocated after the reap (glibc's `mallinfo2`), to tell
-    /// memory the engine keeps from pages the allocator keeps; `None` elsewhere than glibc.
+    /// Diagnostic: heap bytes still allocated after the reap (the allocator's own count,
+    /// `memory::allocated_bytes`), to tell memory the engine keeps from pages the allocator
+    /// keeps; `None` when the allocator does not report it.
     #[serde(default)]
     pub live_heap: Option<u64>,
     pub peak_sessions: i64,
@@ -197,7 +198,7 @@ pub async fn child(spec: RunSpec) -> anyhow::Result<()> {
         m.after_reap_rss = rss().now;
         m.peak_rss = peak.max(peak_rss.load(Ordering::Acquire));
         m.peak_sessions = peak_sessions.load(Ordering::Acquire);
-        m.live_heap = live_heap();
+        m.live_heap = sessionflow_worker::memory::allocated_bytes();
     }
     sampling.cancel();
 
@@ -224,18 +225,6 @@ pub async fn child(spec: RunSpec) -> anyhow::Result<()> {
     }
     println!("RESULT {}", serde_json::to_string(&result)?);
     Ok(())
-}
-
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn live_heap() -> Option<u64> {
-    // SAFETY: mallinfo2 only reads the allocator's statistics.
-    let info = unsafe { libc::mallinfo2() };
-    Some((info.uordblks + info.hblkhd) as u64)
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn live_heap() -> Option<u64> {
-    None
 }
 
 async fn wait_for(what: &str, mut done: impl FnMut() -> bool) -> anyhow::Result<()> {

@@ -1,12 +1,23 @@
-//! Giving memory back after a burst of sessions.
+//! The process's heap: which allocator it runs on, and giving memory back after a burst of
+//! sessions.
+//!
+//! Every record is copied into an owned `InputRecord` on the consumer loop's thread and freed on
+//! a tokio worker once its session is done with it, so the record path is a stream of
+//! allocations freed on another thread. glibc's malloc pays for that traffic with arena locks,
+//! chunk consolidation and per-thread caches that keep running dry; with the feature `jemalloc`
+//! (on by default) the engine declares jemalloc the global allocator instead, for every binary
+//! that links it (the worker, the bench, the tests). Measured in BENCHMARKS.md ("The
+//! allocator"): P1 drains ~1.7 × faster on it than on glibc, mimalloc sits between the two, and
+//! jemalloc can give every arena's free pages back on request.
 //!
 //! A burst of new sessions (a million users arriving at once) grows the heap by a few KB per
 //! live session. When the burst is over and the idle sessions are reaped, the memory is free
-//! again, but glibc's allocator keeps freed pages mapped, so the process's RSS stays at its
-//! peak until something asks for them back — and on Kubernetes the RSS is what the memory limit
-//! and the scheduler see. This watcher asks (`malloc_trim`) once the number of live sessions
-//! has fallen to half of what it was at the last trim, so a steady load never trims and a large
-//! reap trims a few times, not once per reaped session. Elsewhere than glibc it does nothing.
+//! again, but the allocator keeps freed pages mapped, so the process's RSS stays at its peak
+//! until something asks for them back — and on Kubernetes the RSS is what the memory limit
+//! and the scheduler see. This watcher asks (jemalloc: purge every arena; glibc:
+//! `malloc_trim`) once the number of live sessions has fallen to half of what it was at the
+//! last trim, so a steady load never trims and a large reap trims a few times, not once per
+//! reaped session.
 
 use std::time::Duration;
 
@@ -57,14 +68,108 @@ pub async fn trim_after_reaps(live_sessions: IntGauge, stop: CancellationToken) 
     }
 }
 
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[cfg(feature = "jemalloc")]
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
+/// jemalloc's options, read once at its start (`_RJEM_MALLOC_CONF` in the environment overrides
+/// them). `muzzy_decay_ms:0`: a purged page is returned at once (MADV_DONTNEED), not only marked
+/// free (MADV_FREE), which the kernel reclaims under pressure but keeps counting in the RSS;
+/// `background_thread`: dirty pages decay back to the kernel while the worker is idle too,
+/// not only when it next allocates.
+#[cfg(feature = "jemalloc")]
+#[allow(non_upper_case_globals)]
+#[unsafe(export_name = "_rjem_malloc_conf")]
+pub static malloc_conf: Option<&'static std::ffi::c_char> =
+    // SAFETY: a pointer to the first byte of a static, NUL-terminated string.
+    Some(unsafe { &*c"background_thread:true,muzzy_decay_ms:0".as_ptr() });
+
+/// Hands the free pages of both heaps back to the kernel: Rust's (jemalloc's arenas, with the
+/// feature) and the C libraries' (librdkafka allocates its buffers with the system malloc).
 fn trim() {
+    #[cfg(feature = "jemalloc")]
+    purge_jemalloc();
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim only hands free pages of the heap back to the kernel.
-    unsafe { libc::malloc_trim(0) };
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn trim() {}
+#[cfg(feature = "jemalloc")]
+fn purge_jemalloc() {
+    // 4096 is MALLCTL_ARENAS_ALL: the command applies to every arena.
+    let name = c"arena.4096.purge";
+    // SAFETY: a "purge" command reads and writes nothing through the (null) pointers.
+    let rc = unsafe {
+        tikv_jemalloc_sys::mallctl(
+            name.as_ptr(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            0,
+        )
+    };
+    if rc != 0 {
+        tracing::debug!(rc, "jemalloc refused to purge its arenas");
+    }
+}
+
+/// Bytes allocated and not yet freed, as the allocator counts them (a diagnostic: RSS above
+/// this is pages the allocator keeps mapped). `None` when the allocator does not say.
+pub fn allocated_bytes() -> Option<u64> {
+    allocated()
+}
+
+#[cfg(feature = "jemalloc")]
+fn allocated() -> Option<u64> {
+    use std::ffi::c_void;
+    use std::mem::size_of;
+    // The statistics are a snapshot taken when the epoch is advanced.
+    let mut epoch: u64 = 1;
+    let mut len = size_of::<u64>();
+    // SAFETY: "epoch" reads and writes one u64 through pointers to `epoch` sized by `len`.
+    let rc = unsafe {
+        tikv_jemalloc_sys::mallctl(
+            c"epoch".as_ptr(),
+            (&raw mut epoch).cast::<c_void>(),
+            &mut len,
+            (&raw mut epoch).cast::<c_void>(),
+            size_of::<u64>(),
+        )
+    };
+    if rc != 0 {
+        return None;
+    }
+    let mut allocated: usize = 0;
+    let mut len = size_of::<usize>();
+    // SAFETY: "stats.allocated" writes one size_t into `allocated`, sized by `len`.
+    let rc = unsafe {
+        tikv_jemalloc_sys::mallctl(
+            c"stats.allocated".as_ptr(),
+            (&raw mut allocated).cast::<c_void>(),
+            &mut len,
+            std::ptr::null_mut(),
+            0,
+        )
+    };
+    (rc == 0).then_some(allocated as u64)
+}
+
+#[cfg(all(not(feature = "jemalloc"), target_os = "linux", target_env = "gnu"))]
+fn allocated() -> Option<u64> {
+    // SAFETY: mallinfo2 only reads the allocator's statistics.
+    let info = unsafe { libc::mallinfo2() };
+    Some((info.uordblks + info.hblkhd) as u64)
+}
+
+#[cfg(all(
+    not(feature = "jemalloc"),
+    not(all(target_os = "linux", target_env = "gnu"))
+))]
+fn allocated() -> Option<u64> {
+    None
+}
 
 #[cfg(test)]
 mod tests {
@@ -81,6 +186,30 @@ mod tests {
         assert!(p.observe(10_000));
         assert!(p.observe(0));
         assert!(!p.observe(0));
+    }
+
+    /// Resident pages of this process (nextest runs each test in a process of its own).
+    fn resident_bytes() -> u64 {
+        let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
+        let pages: u64 = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
+        pages * 4_096
+    }
+
+    #[test]
+    fn a_trim_gives_freed_memory_back_and_the_allocator_counts_what_is_live() {
+        let before = allocated_bytes().expect("the allocator reports its statistics");
+        let block = vec![7u8; 64 << 20];
+        let during = allocated_bytes().unwrap();
+        assert!(during >= before + (63 << 20), "{before} -> {during}");
+        let resident = resident_bytes();
+        drop(block);
+        trim();
+        assert!(allocated_bytes().unwrap() < during - (60 << 20));
+        let after = resident_bytes();
+        assert!(
+            after + (48 << 20) < resident,
+            "RSS {resident} -> {after}: the freed pages stayed mapped"
+        );
     }
 
     #[test]
