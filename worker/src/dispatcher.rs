@@ -64,8 +64,10 @@ impl<H: Handler> Dispatcher<H> {
                     if taken == 0 {
                         break;
                     }
+                    // One clock read per batch: it only dates the sessions' last activity.
+                    let now = Instant::now();
                     for record in batch.drain(..) {
-                        self.route(record);
+                        self.route(record, now);
                     }
                 }
                 _ = reap.tick() => self.reap(),
@@ -73,7 +75,7 @@ impl<H: Handler> Dispatcher<H> {
         }
     }
 
-    fn route(&mut self, record: InputRecord) {
+    fn route(&mut self, record: InputRecord, now: Instant) {
         let mut record = record;
         loop {
             let session = record
@@ -83,7 +85,7 @@ impl<H: Handler> Dispatcher<H> {
             let handle = self.sessions.entry(session).or_insert_with_key(|session| {
                 SessionHandle::spawn(session.clone(), self.ctx.clone(), &self.tasks)
             });
-            match handle.send(record, &self.ctx.metrics) {
+            match handle.send(record, &self.ctx.metrics, now) {
                 Ok(()) => return,
                 Err(back) => {
                     // The task ended (aborted); start a fresh one for this record.

@@ -114,10 +114,16 @@ impl SessionHandle {
         }
     }
 
-    /// Queues a record behind the session's earlier ones. Returns it if the task is gone.
+    /// Queues a record behind the session's earlier ones, `now` being the time it arrived.
+    /// Returns it if the task is gone.
     // Handing the record back (a move, not a copy) is the point of the error variant.
     #[allow(clippy::result_large_err)]
-    pub fn send(&mut self, record: InputRecord, metrics: &Metrics) -> Result<(), InputRecord> {
+    pub fn send(
+        &mut self,
+        record: InputRecord,
+        metrics: &Metrics,
+        now: Instant,
+    ) -> Result<(), InputRecord> {
         if self.intake.observe(record.lease.epoch, record.seq()) {
             metrics
                 .order_violations
@@ -127,7 +133,7 @@ impl SessionHandle {
                 seq = record.seq(), "order violation at intake");
         }
         self.queued.fetch_add(1, Ordering::AcqRel);
-        self.last_active = Instant::now();
+        self.last_active = now;
         self.tx.send(Box::new(record)).map_err(|e| {
             self.queued.fetch_sub(1, Ordering::AcqRel);
             *e.0

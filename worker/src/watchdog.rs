@@ -32,7 +32,9 @@ impl SeqWatch {
                 ..Self::default()
             };
         }
-        let replay = self.recent.contains(&seq);
+        // `recent` holds nothing above `max`: a new highest number (the usual case) is no replay,
+        // without a scan.
+        let replay = self.max.is_some_and(|m| seq <= m) && self.recent.contains(&seq);
         let violation = !replay && self.max.is_some_and(|m| seq < m && m - seq < RECENT as u64);
         if !replay {
             if self.recent.len() == RECENT {
