@@ -313,6 +313,12 @@ pub struct StageSpec {
     #[schemars(range(min = 1))]
     pub max_in_flight_per_partition: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// KiB of records a worker's consumer may fetch ahead, in total over its partitions
+    /// (shared equally by the input topic's partitions). Bounds the worker's memory with the
+    /// in-flight cap; too small a total starves the stage of records.
+    #[schemars(range(min = 1))]
+    pub prefetch_kbytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     /// How often workers report their partitions' lag as a metric.
     #[schemars(range(min = 1))]
     pub lag_interval_ms: Option<u64>,

@@ -443,6 +443,7 @@ fn stage_config(sp: &SessionPipeline, stage: &StageSpec) -> Result<StageConfig, 
         "maxInFlightPerPartition",
         to_value(stage.max_in_flight_per_partition.as_ref())?,
     );
+    put("prefetchKbytes", to_value(stage.prefetch_kbytes.as_ref())?);
     put("lagIntervalMs", to_value(stage.lag_interval_ms.as_ref())?);
     put("otlpEndpoint", to_value(stage.otlp_endpoint.as_ref())?);
     serde_json::from_value(Value::Object(v))
@@ -623,11 +624,18 @@ mod tests {
             ..Default::default()
         });
         sp.spec.stages[1].dispatchers = Some(3);
+        sp.spec.stages[1].prefetch_kbytes = Some(8_192);
         let plans = plan(&sp, &defaults()).unwrap();
         assert_eq!(plans[0].config.retry.max_attempts, 3);
         assert_eq!(plans[1].config.retry.max_attempts, 9);
         assert_eq!(plans[0].config.dispatchers, 8, "worker default");
         assert_eq!(plans[1].config.dispatchers, 3);
+        assert_eq!(
+            plans[0].config.prefetch_kbytes,
+            32 * 1_024,
+            "worker default"
+        );
+        assert_eq!(plans[1].config.prefetch_kbytes, 8_192);
         assert_eq!(plans[1].config.shutdown_timeout_ms, 20_000);
         // The pod outlives the worker's own shutdown (drain + shutdown timeout + close).
         let grace = pod(&plans[1]).termination_grace_period_seconds.unwrap();
@@ -646,6 +654,7 @@ mod tests {
         let yaml = &plans[1].config_map.data.as_ref().unwrap()["stage.yaml"];
         let parsed = StageConfig::from_yaml(yaml).unwrap();
         assert_eq!(parsed.retry, plans[1].config.retry);
+        assert_eq!(parsed.prefetch_kbytes, 8_192);
         assert_eq!(parsed.group_id(), group_id("shop", "chat", "llm"));
     }
 

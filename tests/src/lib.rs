@@ -102,6 +102,7 @@ impl Topics {
             dispatcher_capacity: 256,
             session_idle_ms: 1_000,
             max_in_flight_per_partition: 2_000,
+            prefetch_kbytes: sessionflow_worker::config::defaults::prefetch_kbytes(),
             shutdown_timeout_ms: 10_000,
             shutdown_drain_queued: false,
             metrics_addr: None,

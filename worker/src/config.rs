@@ -67,6 +67,13 @@ pub struct StageConfig {
     /// is held (takes no records). It bounds memory and what a crash can replay.
     #[serde(default = "defaults::max_in_flight_per_partition")]
     pub max_in_flight_per_partition: usize,
+    /// KiB of records librdkafka may fetch ahead for this worker, in total over its assigned
+    /// partitions: each partition's queue gets an equal share (at least 64 KiB) by the input
+    /// topic's partition count when the worker starts (see `prefetch`). Replaces
+    /// `kafka.queued.max.messages.kbytes`, which librdkafka applies per partition once each
+    /// partition has its own queue.
+    #[serde(default = "defaults::prefetch_kbytes")]
+    pub prefetch_kbytes: u64,
     /// How often the lag of the assigned partitions is read from the broker.
     #[serde(default = "defaults::lag_interval_ms")]
     pub lag_interval_ms: u64,
@@ -321,7 +328,8 @@ pub const REVOCATION_COMMIT_ALLOWANCE_MS: u64 = 5_000;
 /// group with it still out: it could land after the next owner's results.
 pub const SHUTDOWN_FENCE_EXTRA_MS: u64 = 10_000;
 
-mod defaults {
+/// The default of every optional key.
+pub mod defaults {
     use std::net::SocketAddr;
     pub fn commit_interval_ms() -> u64 {
         1_000
@@ -337,6 +345,9 @@ mod defaults {
     }
     pub fn max_in_flight_per_partition() -> usize {
         10_000
+    }
+    pub fn prefetch_kbytes() -> u64 {
+        32 * 1_024
     }
     pub fn lag_interval_ms() -> u64 {
         5_000
@@ -508,6 +519,7 @@ impl StageConfig {
             "maxInFlightPerPartition",
             self.max_in_flight_per_partition as u64,
         )?;
+        positive("prefetchKbytes", self.prefetch_kbytes)?;
         positive("shutdownTimeoutMs", self.shutdown_timeout_ms)?;
         self.validate_deadlines()?;
         for key in self.kafka.keys() {
@@ -647,6 +659,8 @@ pub const OWNED_KAFKA_KEYS: &[&str] = &[
     "enable.idempotence",
     "group.id",
     "bootstrap.servers",
+    // Set per partition from `prefetchKbytes`, a total (see `prefetch`).
+    "queued.max.messages.kbytes",
 ];
 
 #[cfg(test)]
@@ -801,6 +815,16 @@ rebalance: {strategy: eager, drainTimeoutMs: 3000}
         assert_eq!(
             key_of(&format!("{MINIMAL}kafka: {{enable.auto.commit: 'true'}}\n")),
             "kafka.enable.auto.commit"
+        );
+        assert_eq!(
+            key_of(&format!(
+                "{MINIMAL}kafka: {{queued.max.messages.kbytes: '9000'}}\n"
+            )),
+            "kafka.queued.max.messages.kbytes"
+        );
+        assert_eq!(
+            key_of(&format!("{MINIMAL}prefetchKbytes: 0\n")),
+            "prefetchKbytes"
         );
         assert_eq!(
             key_of(&MINIMAL.replace("builtin: {}", "builtin: {poisonRate: 2}")),

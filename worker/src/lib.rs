@@ -25,6 +25,7 @@ pub mod metrics;
 pub mod offset_map;
 pub mod offsets;
 pub mod partition_queues;
+pub mod prefetch;
 pub mod producer;
 pub mod record;
 pub mod replay;

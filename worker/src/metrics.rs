@@ -25,6 +25,7 @@ pub struct Metrics {
     pub handler_seconds: HistogramVec,
     pub committed_offset: IntGaugeVec,
     pub paused_partitions: IntGauge,
+    pub prefetched_records: IntGauge,
     pub map_overflow_partitions: IntGauge,
     pub pending_records: IntGauge,
     pub produce_errors: IntCounter,
@@ -128,6 +129,11 @@ impl Metrics {
             "Input partitions held: not taking records in (backpressure, or a completed-offset \
              map too large for commit metadata).",
         );
+        let prefetched_records = gauge(
+            "prefetched_records",
+            "Records librdkafka fetched ahead, waiting in the assigned partitions' queues \
+             (bounded in bytes by prefetchKbytes).",
+        );
         let map_overflow_partitions = gauge(
             "offset_map_overflow_partitions",
             "Input partitions whose completed-offset map no longer fits in commit metadata: \
@@ -205,6 +211,7 @@ impl Metrics {
             handler_seconds,
             committed_offset,
             paused_partitions,
+            prefetched_records,
             map_overflow_partitions,
             pending_records,
             produce_errors,

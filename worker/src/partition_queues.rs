@@ -131,6 +131,8 @@ pub fn main_queue_len<C: ConsumerContext>(consumer: &BaseConsumer<C>) -> usize {
 pub struct PartitionQueues<C: ConsumerContext + 'static> {
     consumer: Arc<BaseConsumer<C>>,
     topic: String,
+    /// The topic for librdkafka's C API (queue lengths).
+    topic_c: CString,
     queues: BTreeMap<Partition, PartitionQueue<C>>,
     doorbell: Arc<Doorbell>,
 }
@@ -140,6 +142,7 @@ impl<C: ConsumerContext + 'static> PartitionQueues<C> {
         Self {
             consumer,
             topic: topic.to_owned(),
+            topic_c: CString::new(topic).unwrap_or_default(),
             queues: BTreeMap::new(),
             doorbell: Arc::default(),
         }
@@ -172,6 +175,30 @@ impl<C: ConsumerContext + 'static> PartitionQueues<C> {
             self.doorbell.ring();
         }
         split
+    }
+
+    /// Records waiting in the partitions' queues (fetched ahead, not taken yet).
+    pub fn waiting(&self) -> usize {
+        use rdkafka::bindings::{
+            rd_kafka_queue_destroy, rd_kafka_queue_get_partition, rd_kafka_queue_length,
+        };
+        let client = self.consumer.client().native_ptr();
+        self.queues
+            .keys()
+            .map(|&p| {
+                // SAFETY: the client pointer is valid while `self.consumer` lives, the topic is
+                // NUL-terminated; the queue handle is our own reference, released after use.
+                unsafe {
+                    let queue = rd_kafka_queue_get_partition(client, self.topic_c.as_ptr(), p);
+                    if queue.is_null() {
+                        return 0;
+                    }
+                    let waiting = rd_kafka_queue_length(queue);
+                    rd_kafka_queue_destroy(queue);
+                    waiting
+                }
+            })
+            .sum()
     }
 
     /// The partitions with a queue, ascending.

@@ -10,6 +10,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use rdkafka::producer::Producer;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::{CancellationToken, DropGuard};
@@ -23,11 +24,14 @@ use crate::health::{self, Health};
 use crate::intake::{consumer_config, IntakeLoop, IntakeSettings, IntakeTokens};
 use crate::lag::{Assigned, LagReporter};
 use crate::metrics::Metrics;
+use crate::prefetch::{self, Prefetch};
 use crate::producer::{producer_config, ProducerEvents, StageProducer};
 use crate::session::SessionContext;
 
 /// How long, after the consumer loop ends, session tasks and acknowledgements get to finish.
 pub const CLOSE_GRACE: Duration = Duration::from_secs(10);
+/// How long the start waits for the input topic's partition count (see `prefetch`).
+const PARTITION_COUNT_WAIT: Duration = Duration::from_secs(3);
 
 /// A stage running in the background. Dropping it stops the stage gracefully (as
 /// [`stop`](Self::stop) does) without waiting: a handle lost to a panic or an early return
@@ -144,6 +148,22 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         })
         .collect();
 
+    // librdkafka takes the prefetch share once, when the consumer is created: count the input
+    // topic's partitions now (no broker yet: the assumed count, see `prefetch`).
+    let counted = {
+        let producer = producer.clone();
+        let topic = config.input.clone();
+        tokio::task::spawn_blocking(move || {
+            prefetch::count_partitions(producer.client().client(), &topic, PARTITION_COUNT_WAIT)
+        })
+        .await
+        .ok()
+        .flatten()
+    };
+    if counted.is_none() {
+        tracing::warn!(topic = %config.input, assumed = prefetch::UNCOUNTED_PARTITIONS,
+            "could not count the input topic's partitions at start; the prefetch budget is shared by the assumed count");
+    }
     let settings = IntakeSettings {
         input: config.input.clone(),
         session: config.session.clone(),
@@ -154,6 +174,7 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         shutdown_timeout: Duration::from_millis(config.shutdown_timeout_ms),
         shutdown_fence_timeout: Duration::from_millis(config.shutdown_fence_ms()),
         shutdown_drain_queued: config.shutdown_drain_queued,
+        prefetch: Prefetch::new(config.prefetch_kbytes, counted),
     };
     let assigned = Assigned::default();
     let lag_thread = LagReporter {
@@ -171,6 +192,7 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
             &config.brokers,
             &config.group_id(),
             config.rebalance.strategy,
+            settings.prefetch,
             &extra,
         ),
         settings,

@@ -14,6 +14,7 @@ mod logs;
 mod offset_map;
 mod order;
 mod otlp;
+mod prefetch;
 mod rebalance;
 mod replays;
 mod restart;

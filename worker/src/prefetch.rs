@@ -1,0 +1,184 @@
+//! What librdkafka may fetch ahead, bounded as a total per worker.
+//!
+//! librdkafka fetches records before they are asked for and keeps them in the queue they will
+//! be read from, up to `queued.max.messages.kbytes`. For a consumer read through its one queue
+//! that is a total; once every partition has its own queue (see `partition_queues`) it applies
+//! to each of them, so a worker's prefetch grew with the partitions it was given (4 MiB × 64
+//! partitions is a quarter of a gigabyte before one record is handled). The stage's
+//! `prefetchKbytes` is the total instead: each partition's queue gets an equal share of it by
+//! the input topic's partition count at start, since one worker may be assigned all of them,
+//! and at least [`MIN_SHARE_KBYTES`], so that a partition still takes a fetch's worth of
+//! records at a time.
+//!
+//! librdkafka reads the setting once, when the consumer is created. Partitions added to the
+//! topic later, or a count that could not be made at start (no broker yet: then
+//! [`UNCOUNTED_PARTITIONS`] is assumed), raise the bound by one share per extra partition
+//! until the worker restarts; the consumer loop logs it when an assignment goes beyond the
+//! count.
+//!
+//! librdkafka asks for a partition while its queue holds less than its share, and one answer
+//! adds up to `max.partition.fetch.bytes` to it: the engine lowers that to the share (when it
+//! is below librdkafka's 1 MiB default), so a queue holds at most two shares and the worker's
+//! queues at most twice the budget. A fetch answer on its way is at most `fetch.max.bytes`:
+//! left alone, librdkafka lowers it to one queue's share, so one request would carry a single
+//! share for all the partitions it asks for; the engine sets it to the whole budget instead
+//! (within what librdkafka accepts).
+
+use std::time::Duration;
+
+use rdkafka::client::{Client, ClientContext};
+
+/// The smallest share of one partition's queue, KiB.
+pub const MIN_SHARE_KBYTES: u64 = 64;
+/// Partitions assumed when the input topic could not be counted at start.
+pub const UNCOUNTED_PARTITIONS: usize = 8;
+
+/// The worker's prefetch budget and the partition count it is shared by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Prefetch {
+    pub total_kbytes: u64,
+    /// Partitions of the input topic when the consumer was created.
+    pub partitions: usize,
+}
+
+impl Prefetch {
+    /// The budget shared by `partitions` (the count, or [`UNCOUNTED_PARTITIONS`] if none).
+    pub fn new(total_kbytes: u64, partitions: Option<usize>) -> Self {
+        Self {
+            total_kbytes,
+            partitions: partitions.unwrap_or(UNCOUNTED_PARTITIONS).max(1),
+        }
+    }
+
+    /// `queued.max.messages.kbytes` for each partition's queue.
+    pub fn share_kbytes(&self) -> u64 {
+        (self.total_kbytes / self.partitions as u64).max(MIN_SHARE_KBYTES)
+    }
+
+    /// What `assigned` partitions may hold prefetched at most, KiB.
+    pub fn bound_kbytes(&self, assigned: usize) -> u64 {
+        assigned as u64 * self.share_kbytes()
+    }
+
+    /// `fetch.max.bytes`: the whole budget per fetch request, but at least `message.max.bytes`
+    /// and at most `receive.message.max.bytes` − 512, as librdkafka requires (the defaults,
+    /// 1,000,000 and 100,000,000, unless the user set them).
+    pub fn fetch_max_bytes(&self, message_max: Option<u64>, receive_max: Option<u64>) -> u64 {
+        let message_max = message_max.unwrap_or(1_000_000);
+        let receive_max = receive_max.unwrap_or(100_000_000);
+        (self.total_kbytes * 1_024)
+            .max(message_max)
+            .min(receive_max.saturating_sub(512))
+    }
+
+    /// `max.partition.fetch.bytes`: one share, or `set` (librdkafka's 1 MiB default unless
+    /// the user set it) when that is smaller.
+    pub fn partition_fetch_bytes(&self, set: Option<u64>) -> u64 {
+        (self.share_kbytes() * 1_024).min(set.unwrap_or(1_048_576))
+    }
+
+    /// Whether `assigned` partitions stay within the budget (or within the floor's, when the
+    /// budget is smaller than a floor share per partition).
+    pub fn holds(&self, assigned: usize) -> bool {
+        self.bound_kbytes(assigned) <= self.total_kbytes.max(self.bound_kbytes(self.partitions))
+    }
+}
+
+/// The partition count of `topic`, or `None` when the broker does not tell within `timeout`
+/// (blocking: call it off the async workers).
+pub fn count_partitions<C: ClientContext>(
+    client: &Client<C>,
+    topic: &str,
+    timeout: Duration,
+) -> Option<usize> {
+    let metadata = client.fetch_metadata(Some(topic), timeout).ok()?;
+    metadata
+        .topics()
+        .iter()
+        .find(|t| t.name() == topic && t.error().is_none())
+        .map(|t| t.partitions().len())
+        .filter(|&n| n > 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn the_total_is_shared_by_the_partitions_counted() {
+        let p = Prefetch::new(32 * 1_024, Some(8));
+        assert_eq!(p.share_kbytes(), 4 * 1_024);
+        assert_eq!(p.bound_kbytes(8), 32 * 1_024);
+        assert!(p.holds(8));
+        assert!(
+            !p.holds(9),
+            "a partition beyond the count exceeds the total"
+        );
+    }
+
+    #[test]
+    fn a_share_never_falls_below_the_floor() {
+        let p = Prefetch::new(1_024, Some(64));
+        assert_eq!(p.share_kbytes(), MIN_SHARE_KBYTES);
+        assert!(p.holds(64), "the floor's own bound holds");
+    }
+
+    #[test]
+    fn an_uncounted_topic_is_shared_by_the_assumed_count() {
+        let p = Prefetch::new(32 * 1_024, None);
+        assert_eq!(p.partitions, UNCOUNTED_PARTITIONS);
+        assert_eq!(Prefetch::new(100, Some(0)).partitions, 1);
+    }
+
+    #[test]
+    fn a_fetch_carries_the_whole_budget_within_librdkafkas_limits() {
+        let p = Prefetch::new(16 * 1_024, Some(8));
+        assert_eq!(p.fetch_max_bytes(None, None), 16 << 20);
+        assert_eq!(
+            Prefetch::new(100, Some(1)).fetch_max_bytes(None, None),
+            1_000_000,
+            "at least message.max.bytes"
+        );
+        assert_eq!(p.fetch_max_bytes(Some(32 << 20), None), 32 << 20);
+        assert_eq!(
+            Prefetch::new(1 << 20, Some(8)).fetch_max_bytes(None, None),
+            100_000_000 - 512,
+            "below receive.message.max.bytes"
+        );
+    }
+
+    #[test]
+    fn one_answer_adds_at_most_a_share_to_a_queue() {
+        assert_eq!(
+            Prefetch::new(512, Some(4)).partition_fetch_bytes(None),
+            128 * 1_024
+        );
+        assert_eq!(
+            Prefetch::new(32 * 1_024, Some(8)).partition_fetch_bytes(None),
+            1_048_576,
+            "never above librdkafka's default"
+        );
+        assert_eq!(
+            Prefetch::new(32 * 1_024, Some(8)).partition_fetch_bytes(Some(65_536)),
+            65_536
+        );
+    }
+
+    proptest! {
+        /// Every counted partition gets the same share; together they hold no more than the
+        /// total (or the floor's bound) and waste less than a KiB per partition to rounding.
+        #[test]
+        fn shares_add_up_to_the_total(total in 1u64..100_000_000, partitions in 1usize..10_000) {
+            let p = Prefetch::new(total, Some(partitions));
+            let share = p.share_kbytes();
+            prop_assert!(share >= MIN_SHARE_KBYTES);
+            let all = p.bound_kbytes(partitions);
+            prop_assert!(all <= total.max(MIN_SHARE_KBYTES * partitions as u64));
+            if share > MIN_SHARE_KBYTES {
+                prop_assert!(total - all < partitions as u64);
+            }
+            prop_assert!(p.holds(partitions) && p.holds(partitions / 2 + 1));
+        }
+    }
+}
