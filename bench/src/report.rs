@@ -435,7 +435,9 @@ pub fn markdown(
          - every system's consumer: `fetch.wait.max.ms` {} (nisshi's long poll does not wake \
          when records arrive; an empty fetch is re-read after half the remaining wait, so this \
          setting puts a floor under every system's latency — with 100 ms even the raw consumer's \
-         p50 is ~25–30 ms), `queued.max.messages.kbytes` 16384\n{}",
+         p50 is ~25–30 ms); prefetch: the baselines `queued.max.messages.kbytes` {} per \
+         partition queue, sessionflow its default `prefetchKbytes` {} in total (shared by the \
+         partitions; see *The allocator and the prefetch* in the notes)\n{}",
         env.command,
         env.nproc,
         env.cpu_model,
@@ -454,6 +456,8 @@ pub fn markdown(
             "none installed (spans are no-ops)"
         },
         env.fetch_wait_ms,
+        crate::systems::PREFETCH_KBYTES,
+        sessionflow_worker::config::defaults::prefetch_kbytes(),
         if (env.scale - 1.0).abs() > f64::EPSILON {
             format!(
                 "- **scaled run** (`--scale {}`): not the full-size benchmark\n",

@@ -151,13 +151,19 @@ impl SystemSettings {
     }
 }
 
+/// What each baseline may prefetch per partition queue, KiB (librdkafka's
+/// `queued.max.messages.kbytes` applies to each split queue). sessionflow does not take it: its
+/// `prefetchKbytes` is a total per worker, left at its default.
+pub const PREFETCH_KBYTES: u64 = 16_384;
+pub const PREFETCH_KEY: &str = "queued.max.messages.kbytes";
+
 /// librdkafka settings every system's consumer uses (sessionflow gets them as `kafka:` extras).
 pub fn common_kafka(settings: &SystemSettings) -> Vec<(&'static str, String)> {
     vec![
         // nisshi's long poll does not wake when records arrive: an empty fetch re-reads after
         // half the time left, then half again…, so this bounds every system's latency floor.
         ("fetch.wait.max.ms", settings.fetch_wait_ms.to_string()),
-        ("queued.max.messages.kbytes", "16384".to_string()),
+        (PREFETCH_KEY, PREFETCH_KBYTES.to_string()),
     ]
 }
 
