@@ -73,8 +73,6 @@ const PURGE_ANSWERS: Duration = Duration::from_secs(2);
 const FINAL_COMMIT_RETRIES: Duration = Duration::from_secs(5);
 /// Commit intervals a commit may go unanswered before its partitions count as failing.
 const COMMIT_STALL_TURNS: u32 = 3;
-/// librdkafka's `fetch.queue.backoff.ms` (see `consumer_config`), unless the user sets it.
-const FETCH_QUEUE_BACKOFF_MS: &str = "10";
 /// How often the loop reads how many records wait in the partition queues (a gauge).
 const PREFETCH_READ: Duration = Duration::from_millis(100);
 /// How often the loop checks it can still reach the broker.
@@ -112,31 +110,15 @@ pub fn consumer_config(
     prefetch: Prefetch,
     extra: &[(String, String)],
 ) -> ClientConfig {
-    let set_bytes = |key: &str| {
-        extra
-            .iter()
-            .find(|(k, _)| k == key)
-            .and_then(|(_, v)| v.parse().ok())
-    };
-    let fetch_max = prefetch.fetch_max_bytes(
-        set_bytes("message.max.bytes"),
-        set_bytes("receive.message.max.bytes"),
-    );
     let mut c = ClientConfig::new();
     c.set("bootstrap.servers", brokers)
         // Starting at the end would skip what was produced before the stage first ran.
-        .set("auto.offset.reset", "earliest")
-        .set("fetch.max.bytes", fetch_max.to_string())
-        // A queue at its share makes librdkafka put off fetching that partition, by default
-        // for a second: a share that drains in milliseconds then idles the partition for the
-        // rest of it (10 KB records drained at 5k msg/s instead of 51k). Look again soon.
-        .set("fetch.queue.backoff.ms", FETCH_QUEUE_BACKOFF_MS)
-        .set(
-            "max.partition.fetch.bytes",
-            prefetch
-                .partition_fetch_bytes(set_bytes("max.partition.fetch.bytes"))
-                .to_string(),
-        );
+        .set("auto.offset.reset", "earliest");
+    // How much one fetch brings and how soon a full queue is looked at again (the user's
+    // `kafka:` may change these).
+    for (k, v) in prefetch.fetch_settings(extra) {
+        c.set(k, v);
+    }
     for (k, v) in extra {
         c.set(k, v);
     }

@@ -123,37 +123,36 @@ pub fn allocated_bytes() -> Option<u64> {
 
 #[cfg(feature = "jemalloc")]
 fn allocated() -> Option<u64> {
+    // The statistics are a snapshot taken when the epoch is advanced.
+    mallctl::<u64>(c"epoch", Some(1))?;
+    mallctl::<usize>(c"stats.allocated", None).map(|bytes| bytes as u64)
+}
+
+/// Reads jemalloc's control `name` as a `T`, writing `new` to it first when given. `None` when
+/// jemalloc refuses (an unknown name, or a `T` of another size than the control's).
+#[cfg(feature = "jemalloc")]
+fn mallctl<T: Copy + Default>(name: &std::ffi::CStr, new: Option<T>) -> Option<T> {
     use std::ffi::c_void;
     use std::mem::size_of;
-    // The statistics are a snapshot taken when the epoch is advanced.
-    let mut epoch: u64 = 1;
-    let mut len = size_of::<u64>();
-    // SAFETY: "epoch" reads and writes one u64 through pointers to `epoch` sized by `len`.
+    let mut old = T::default();
+    let mut old_len = size_of::<T>();
+    let mut new = new;
+    let (new_ptr, new_len) = match new.as_mut() {
+        Some(value) => ((value as *mut T).cast::<c_void>(), size_of::<T>()),
+        None => (std::ptr::null_mut(), 0),
+    };
+    // SAFETY: both pointers point at a live `T` whose size is passed beside it; jemalloc checks
+    // the sizes against the control's type and refuses a mismatch without writing.
     let rc = unsafe {
         tikv_jemalloc_sys::mallctl(
-            c"epoch".as_ptr(),
-            (&raw mut epoch).cast::<c_void>(),
-            &mut len,
-            (&raw mut epoch).cast::<c_void>(),
-            size_of::<u64>(),
+            name.as_ptr(),
+            (&raw mut old).cast::<c_void>(),
+            &mut old_len,
+            new_ptr,
+            new_len,
         )
     };
-    if rc != 0 {
-        return None;
-    }
-    let mut allocated: usize = 0;
-    let mut len = size_of::<usize>();
-    // SAFETY: "stats.allocated" writes one size_t into `allocated`, sized by `len`.
-    let rc = unsafe {
-        tikv_jemalloc_sys::mallctl(
-            c"stats.allocated".as_ptr(),
-            (&raw mut allocated).cast::<c_void>(),
-            &mut len,
-            std::ptr::null_mut(),
-            0,
-        )
-    };
-    (rc == 0).then_some(allocated as u64)
+    (rc == 0 && old_len == size_of::<T>()).then_some(old)
 }
 
 #[cfg(all(not(feature = "jemalloc"), target_os = "linux", target_env = "gnu"))]

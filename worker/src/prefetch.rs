@@ -30,6 +30,11 @@ use rdkafka::client::{Client, ClientContext};
 
 /// The smallest share of one partition's queue, KiB.
 pub const MIN_SHARE_KBYTES: u64 = 64;
+/// librdkafka's `fetch.queue.backoff.ms` unless the user sets it: a queue at its share makes
+/// librdkafka put off fetching that partition, by default for a second, so a share that drains
+/// in milliseconds idled its partition for the rest of it (10 KB records drained at 5k msg/s
+/// instead of 51k).
+pub const FETCH_QUEUE_BACKOFF_MS: u64 = 10;
 /// Partitions assumed when the input topic could not be counted at start.
 pub const UNCOUNTED_PARTITIONS: usize = 8;
 
@@ -58,6 +63,29 @@ impl Prefetch {
     /// What `assigned` partitions may hold prefetched at most, KiB.
     pub fn bound_kbytes(&self, assigned: usize) -> u64 {
         assigned as u64 * self.share_kbytes()
+    }
+
+    /// The consumer's fetch settings that follow from the budget, given the user's `kafka:`
+    /// properties `extra` (whose own values for these keys are applied after them).
+    /// `queued.max.messages.kbytes` is not among them: it is the engine's own, one share.
+    pub fn fetch_settings(&self, extra: &[(String, String)]) -> [(&'static str, String); 3] {
+        let set = |key: &str| {
+            extra
+                .iter()
+                .find(|(k, _)| k == key)
+                .and_then(|(_, v)| v.parse().ok())
+        };
+        let fetch_max =
+            self.fetch_max_bytes(set("message.max.bytes"), set("receive.message.max.bytes"));
+        [
+            ("fetch.max.bytes", fetch_max.to_string()),
+            (
+                "max.partition.fetch.bytes",
+                self.partition_fetch_bytes(set("max.partition.fetch.bytes"))
+                    .to_string(),
+            ),
+            ("fetch.queue.backoff.ms", FETCH_QUEUE_BACKOFF_MS.to_string()),
+        ]
     }
 
     /// `fetch.max.bytes`: the whole budget per fetch request, but at least `message.max.bytes`
@@ -162,6 +190,20 @@ mod tests {
         assert_eq!(
             Prefetch::new(32 * 1_024, Some(8)).partition_fetch_bytes(Some(65_536)),
             65_536
+        );
+    }
+
+    #[test]
+    fn the_fetch_settings_follow_the_budget_and_the_users_limits() {
+        let p = Prefetch::new(16 * 1_024, Some(8));
+        let extra = [("message.max.bytes".to_string(), "33554432".to_string())];
+        assert_eq!(
+            p.fetch_settings(&extra),
+            [
+                ("fetch.max.bytes", (32 << 20).to_string()),
+                ("max.partition.fetch.bytes", 1_048_576.to_string()),
+                ("fetch.queue.backoff.ms", "10".to_string()),
+            ]
         );
     }
 
