@@ -319,6 +319,12 @@ pub struct StageSpec {
     #[schemars(range(min = 1))]
     pub prefetch_kbytes: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Records a worker's consumer may fetch ahead, in total over its partitions (shared like
+    /// `prefetchKbytes`). For small records this, not the bytes, bounds the memory: the Kafka
+    /// client keeps a few hundred bytes of its own per record it holds.
+    #[schemars(range(min = 1))]
+    pub prefetch_records: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     /// How often workers report their partitions' lag as a metric.
     #[schemars(range(min = 1))]
     pub lag_interval_ms: Option<u64>,

@@ -99,6 +99,7 @@ pub fn stage(name: &str, input: &str, output: Option<&str>) -> StageSpec {
         session_idle_ms: None,
         max_in_flight_per_partition: None,
         prefetch_kbytes: None,
+        prefetch_records: None,
         lag_interval_ms: None,
         otlp_endpoint: None,
         template: None,

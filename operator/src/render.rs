@@ -444,6 +444,10 @@ fn stage_config(sp: &SessionPipeline, stage: &StageSpec) -> Result<StageConfig, 
         to_value(stage.max_in_flight_per_partition.as_ref())?,
     );
     put("prefetchKbytes", to_value(stage.prefetch_kbytes.as_ref())?);
+    put(
+        "prefetchRecords",
+        to_value(stage.prefetch_records.as_ref())?,
+    );
     put("lagIntervalMs", to_value(stage.lag_interval_ms.as_ref())?);
     put("otlpEndpoint", to_value(stage.otlp_endpoint.as_ref())?);
     serde_json::from_value(Value::Object(v))
@@ -625,6 +629,7 @@ mod tests {
         });
         sp.spec.stages[1].dispatchers = Some(3);
         sp.spec.stages[1].prefetch_kbytes = Some(8_192);
+        sp.spec.stages[1].prefetch_records = Some(4_096);
         let plans = plan(&sp, &defaults()).unwrap();
         assert_eq!(plans[0].config.retry.max_attempts, 3);
         assert_eq!(plans[1].config.retry.max_attempts, 9);
@@ -636,6 +641,8 @@ mod tests {
             "worker default"
         );
         assert_eq!(plans[1].config.prefetch_kbytes, 8_192);
+        assert_eq!(plans[0].config.prefetch_records, 16_384, "worker default");
+        assert_eq!(plans[1].config.prefetch_records, 4_096);
         assert_eq!(plans[1].config.shutdown_timeout_ms, 20_000);
         // The pod outlives the worker's own shutdown (drain + shutdown timeout + close).
         let grace = pod(&plans[1]).termination_grace_period_seconds.unwrap();
@@ -655,6 +662,7 @@ mod tests {
         let parsed = StageConfig::from_yaml(yaml).unwrap();
         assert_eq!(parsed.retry, plans[1].config.retry);
         assert_eq!(parsed.prefetch_kbytes, 8_192);
+        assert_eq!(parsed.prefetch_records, 4_096);
         assert_eq!(parsed.group_id(), group_id("shop", "chat", "llm"));
     }
 

@@ -103,6 +103,7 @@ impl Topics {
             session_idle_ms: 1_000,
             max_in_flight_per_partition: 2_000,
             prefetch_kbytes: sessionflow_worker::config::defaults::prefetch_kbytes(),
+            prefetch_records: sessionflow_worker::config::defaults::prefetch_records(),
             shutdown_timeout_ms: 10_000,
             shutdown_drain_queued: false,
             metrics_addr: None,

@@ -106,7 +106,7 @@ mod tests {
             value: None,
             headers: vec![],
             session: Some("s".into()),
-            event_id: String::new(),
+            seq: None,
             lease: Arc::new(Lease::new(0, 0)),
         }
     }

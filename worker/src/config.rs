@@ -74,6 +74,12 @@ pub struct StageConfig {
     /// partition has its own queue.
     #[serde(default = "defaults::prefetch_kbytes")]
     pub prefetch_kbytes: u64,
+    /// Records librdkafka may fetch ahead for this worker, in total over its assigned
+    /// partitions, shared like `prefetchKbytes`: librdkafka keeps a few hundred bytes of its
+    /// own per queued record, so for small records this is what bounds the memory. Replaces
+    /// `kafka.queued.min.messages` (100,000 per partition queue by default).
+    #[serde(default = "defaults::prefetch_records")]
+    pub prefetch_records: u64,
     /// How often the lag of the assigned partitions is read from the broker.
     #[serde(default = "defaults::lag_interval_ms")]
     pub lag_interval_ms: u64,
@@ -349,6 +355,9 @@ pub mod defaults {
     pub fn prefetch_kbytes() -> u64 {
         32 * 1_024
     }
+    pub fn prefetch_records() -> u64 {
+        16_384
+    }
     pub fn lag_interval_ms() -> u64 {
         5_000
     }
@@ -520,6 +529,7 @@ impl StageConfig {
             self.max_in_flight_per_partition as u64,
         )?;
         positive("prefetchKbytes", self.prefetch_kbytes)?;
+        positive("prefetchRecords", self.prefetch_records)?;
         positive("shutdownTimeoutMs", self.shutdown_timeout_ms)?;
         self.validate_deadlines()?;
         for key in self.kafka.keys() {
@@ -659,8 +669,9 @@ pub const OWNED_KAFKA_KEYS: &[&str] = &[
     "enable.idempotence",
     "group.id",
     "bootstrap.servers",
-    // Set per partition from `prefetchKbytes`, a total (see `prefetch`).
+    // Set per partition from `prefetchKbytes` and `prefetchRecords`, totals (see `prefetch`).
     "queued.max.messages.kbytes",
+    "queued.min.messages",
 ];
 
 #[cfg(test)]
@@ -825,6 +836,14 @@ rebalance: {strategy: eager, drainTimeoutMs: 3000}
         assert_eq!(
             key_of(&format!("{MINIMAL}prefetchKbytes: 0\n")),
             "prefetchKbytes"
+        );
+        assert_eq!(
+            key_of(&format!("{MINIMAL}kafka: {{queued.min.messages: '5'}}\n")),
+            "kafka.queued.min.messages"
+        );
+        assert_eq!(
+            key_of(&format!("{MINIMAL}prefetchRecords: 0\n")),
+            "prefetchRecords"
         );
         assert_eq!(
             key_of(&MINIMAL.replace("builtin: {}", "builtin: {poisonRate: 2}")),

@@ -80,12 +80,22 @@ impl<H: Handler> Dispatcher<H> {
         loop {
             let session = record
                 .session
-                .clone()
+                .as_deref()
                 .expect("the consumer loop routes only records with a session");
-            let handle = self.sessions.entry(session).or_insert_with_key(|session| {
-                SessionHandle::spawn(session.clone(), self.ctx.clone(), &self.tasks)
-            });
-            match handle.send(record, &self.ctx.metrics, now) {
+            let sent = match self.sessions.get_mut(session) {
+                Some(handle) => handle.send(record, &self.ctx.metrics, now),
+                None => {
+                    // A copy, not a view: the record's id is a view of its whole buffer, which
+                    // the map would otherwise keep for as long as the session lives.
+                    let session = Bytes::copy_from_slice(session);
+                    let mut handle =
+                        SessionHandle::spawn(session.clone(), self.ctx.clone(), &self.tasks);
+                    let sent = handle.send(record, &self.ctx.metrics, now);
+                    self.sessions.insert(session, handle);
+                    sent
+                }
+            };
+            match sent {
                 Ok(()) => return,
                 Err(back) => {
                     // The task ended (aborted); start a fresh one for this record.

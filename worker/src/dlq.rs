@@ -71,6 +71,7 @@ pub fn dlq_headers(
         .chain(ADDED_HEADERS)
         .collect();
     let has_event_id = record.header(header::EVENT_ID).is_some();
+    let event_id = record.event_id();
     let mut extra: Vec<(&str, &[u8])> = vec![
         (header::DLQ_REASON, reason.as_str().as_bytes()),
         (header::DLQ_ERROR, error.as_bytes()),
@@ -81,7 +82,7 @@ pub fn dlq_headers(
         (header::ATTEMPTS, attempts.as_bytes()),
     ];
     if !has_event_id {
-        extra.push((header::EVENT_ID, record.event_id.as_bytes()));
+        extra.push((header::EVENT_ID, event_id.as_bytes()));
     }
     if !traceparent.is_empty() {
         extra.push((header::TRACEPARENT, traceparent.as_bytes()));

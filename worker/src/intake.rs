@@ -56,6 +56,7 @@ use crate::producer::StageProducer;
 use crate::record::{InputRecord, Lease};
 use crate::routing::SessionRouter;
 use crate::settle::{Outcome, Settler};
+use crate::signal::Signal;
 
 /// How long an idle loop waits for records before it serves events and chores again.
 const POLL_TIMEOUT: Duration = Duration::from_millis(20);
@@ -122,13 +123,12 @@ pub fn consumer_config(
     for (k, v) in extra {
         c.set(k, v);
     }
+    // Each partition has its own queue (see `partition_queues`), so these are per partition:
+    // shares of the worker's totals.
+    for (k, v) in prefetch.queue_settings() {
+        c.set(k, v);
+    }
     c.set("group.id", group)
-        // Each partition has its own queue (see `partition_queues`), so this is per partition:
-        // a share of the worker's total.
-        .set(
-            "queued.max.messages.kbytes",
-            prefetch.share_kbytes().to_string(),
-        )
         .set(
             "partition.assignment.strategy",
             strategy.assignment_strategy(),
@@ -669,10 +669,10 @@ pub struct IntakeTokens {
     /// Stop taking records; drain; commit; close.
     pub stop: CancellationToken,
     /// Cancelled by the loop when the shutdown deadline passes: sessions give up mid-record.
-    pub abort: CancellationToken,
+    pub abort: Signal,
     /// Cancelled by the loop at shutdown (unless draining everything queued): sessions release
     /// what is queued behind their current record.
-    pub release_queued: CancellationToken,
+    pub release_queued: Signal,
     /// Cancelled on a fatal client error (by either client): stop at once, exit non-zero.
     pub fatal: CancellationToken,
 }

@@ -33,6 +33,7 @@ pub mod retry;
 pub mod routing;
 pub mod session;
 pub mod settle;
+pub mod signal;
 pub mod stuck;
 pub mod telemetry;
 pub mod topics;

@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 
 use prometheus::core::Collector;
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 #[derive(Clone)]
@@ -23,6 +23,9 @@ pub struct Metrics {
     pub in_flight: IntGauge,
     pub active_sessions: IntGauge,
     pub handler_seconds: HistogramVec,
+    /// `handler_seconds` of each outcome, resolved once: looking a label up hashes it and
+    /// takes a lock, on every record.
+    pub handler_outcome: HandlerOutcomes,
     pub committed_offset: IntGaugeVec,
     pub paused_partitions: IntGauge,
     pub prefetched_records: IntGauge,
@@ -44,6 +47,24 @@ pub struct Metrics {
     pub lost_partitions: IntCounter,
     pub final_commit_failures: IntCounter,
     pub fatal_errors: IntCounter,
+}
+
+/// The series of `handler_duration_seconds`, one per outcome of an attempt.
+#[derive(Clone)]
+pub struct HandlerOutcomes {
+    pub ok: Histogram,
+    pub transient: Histogram,
+    pub poison: Histogram,
+}
+
+impl HandlerOutcomes {
+    fn of(seconds: &HistogramVec) -> Self {
+        Self {
+            ok: seconds.with_label_values(&["ok"]),
+            transient: seconds.with_label_values(&["transient"]),
+            poison: seconds.with_label_values(&["poison"]),
+        }
+    }
 }
 
 impl Metrics {
@@ -132,7 +153,7 @@ impl Metrics {
         let prefetched_records = gauge(
             "prefetched_records",
             "Records librdkafka fetched ahead, waiting in the assigned partitions' queues \
-             (bounded in bytes by prefetchKbytes).",
+             (bounded by prefetchKbytes and prefetchRecords, totals per worker).",
         );
         let map_overflow_partitions = gauge(
             "offset_map_overflow_partitions",
@@ -208,6 +229,7 @@ impl Metrics {
             dlq,
             in_flight,
             active_sessions,
+            handler_outcome: HandlerOutcomes::of(&handler_seconds),
             handler_seconds,
             committed_offset,
             paused_partitions,

@@ -23,6 +23,14 @@
 //! left alone, librdkafka lowers it to one queue's share, so one request would carry a single
 //! share for all the partitions it asks for; the engine sets it to the whole budget instead
 //! (within what librdkafka accepts).
+//!
+//! Bytes alone do not bound the memory of small records: librdkafka keeps a few hundred bytes
+//! of its own per queued record, and asks for more while a queue holds fewer than
+//! `queued.min.messages` (100,000 by default, per queue). With 100-byte records a worker's
+//! queues held ~290,000 records, and its peak RSS was 288 MiB where it is 150 MiB with 2,000
+//! per queue (P1 in BENCHMARKS.md). So `prefetchRecords` is a total too, shared the same way:
+//! librdkafka stops asking for a partition at its share of records, and a queue holds at most
+//! its share plus one answer.
 
 use std::time::Duration;
 
@@ -42,17 +50,24 @@ pub const UNCOUNTED_PARTITIONS: usize = 8;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Prefetch {
     pub total_kbytes: u64,
+    pub total_records: u64,
     /// Partitions of the input topic when the consumer was created.
     pub partitions: usize,
 }
 
 impl Prefetch {
     /// The budget shared by `partitions` (the count, or [`UNCOUNTED_PARTITIONS`] if none).
-    pub fn new(total_kbytes: u64, partitions: Option<usize>) -> Self {
+    pub fn new(total_kbytes: u64, total_records: u64, partitions: Option<usize>) -> Self {
         Self {
             total_kbytes,
+            total_records,
             partitions: partitions.unwrap_or(UNCOUNTED_PARTITIONS).max(1),
         }
+    }
+
+    /// `queued.min.messages` for each partition's queue: its share of the records, at least one.
+    pub fn share_records(&self) -> u64 {
+        (self.total_records / self.partitions as u64).max(1)
     }
 
     /// `queued.max.messages.kbytes` for each partition's queue.
@@ -66,8 +81,9 @@ impl Prefetch {
     }
 
     /// The consumer's fetch settings that follow from the budget, given the user's `kafka:`
-    /// properties `extra` (whose own values for these keys are applied after them).
-    /// `queued.max.messages.kbytes` is not among them: it is the engine's own, one share.
+    /// properties `extra` (whose own values for these keys are applied after them). The shares
+    /// of each queue (`queued.max.messages.kbytes`, `queued.min.messages`) are not among them:
+    /// they are the engine's own ([`Prefetch::queue_settings`]).
     pub fn fetch_settings(&self, extra: &[(String, String)]) -> [(&'static str, String); 3] {
         let set = |key: &str| {
             extra
@@ -85,6 +101,17 @@ impl Prefetch {
                     .to_string(),
             ),
             ("fetch.queue.backoff.ms", FETCH_QUEUE_BACKOFF_MS.to_string()),
+        ]
+    }
+
+    /// Each partition queue's share, which no `kafka:` property may override.
+    pub fn queue_settings(&self) -> [(&'static str, String); 2] {
+        [
+            (
+                "queued.max.messages.kbytes",
+                self.share_kbytes().to_string(),
+            ),
+            ("queued.min.messages", self.share_records().to_string()),
         ]
     }
 
@@ -133,9 +160,11 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    const RECORDS: u64 = 16_384;
+
     #[test]
     fn the_total_is_shared_by_the_partitions_counted() {
-        let p = Prefetch::new(32 * 1_024, Some(8));
+        let p = Prefetch::new(32 * 1_024, RECORDS, Some(8));
         assert_eq!(p.share_kbytes(), 4 * 1_024);
         assert_eq!(p.bound_kbytes(8), 32 * 1_024);
         assert!(p.holds(8));
@@ -147,30 +176,30 @@ mod tests {
 
     #[test]
     fn a_share_never_falls_below_the_floor() {
-        let p = Prefetch::new(1_024, Some(64));
+        let p = Prefetch::new(1_024, RECORDS, Some(64));
         assert_eq!(p.share_kbytes(), MIN_SHARE_KBYTES);
         assert!(p.holds(64), "the floor's own bound holds");
     }
 
     #[test]
     fn an_uncounted_topic_is_shared_by_the_assumed_count() {
-        let p = Prefetch::new(32 * 1_024, None);
+        let p = Prefetch::new(32 * 1_024, RECORDS, None);
         assert_eq!(p.partitions, UNCOUNTED_PARTITIONS);
-        assert_eq!(Prefetch::new(100, Some(0)).partitions, 1);
+        assert_eq!(Prefetch::new(100, RECORDS, Some(0)).partitions, 1);
     }
 
     #[test]
     fn a_fetch_carries_the_whole_budget_within_librdkafkas_limits() {
-        let p = Prefetch::new(16 * 1_024, Some(8));
+        let p = Prefetch::new(16 * 1_024, RECORDS, Some(8));
         assert_eq!(p.fetch_max_bytes(None, None), 16 << 20);
         assert_eq!(
-            Prefetch::new(100, Some(1)).fetch_max_bytes(None, None),
+            Prefetch::new(100, RECORDS, Some(1)).fetch_max_bytes(None, None),
             1_000_000,
             "at least message.max.bytes"
         );
         assert_eq!(p.fetch_max_bytes(Some(32 << 20), None), 32 << 20);
         assert_eq!(
-            Prefetch::new(1 << 20, Some(8)).fetch_max_bytes(None, None),
+            Prefetch::new(1 << 20, RECORDS, Some(8)).fetch_max_bytes(None, None),
             100_000_000 - 512,
             "below receive.message.max.bytes"
         );
@@ -179,23 +208,23 @@ mod tests {
     #[test]
     fn one_answer_adds_at_most_a_share_to_a_queue() {
         assert_eq!(
-            Prefetch::new(512, Some(4)).partition_fetch_bytes(None),
+            Prefetch::new(512, RECORDS, Some(4)).partition_fetch_bytes(None),
             128 * 1_024
         );
         assert_eq!(
-            Prefetch::new(32 * 1_024, Some(8)).partition_fetch_bytes(None),
+            Prefetch::new(32 * 1_024, RECORDS, Some(8)).partition_fetch_bytes(None),
             1_048_576,
             "never above librdkafka's default"
         );
         assert_eq!(
-            Prefetch::new(32 * 1_024, Some(8)).partition_fetch_bytes(Some(65_536)),
+            Prefetch::new(32 * 1_024, RECORDS, Some(8)).partition_fetch_bytes(Some(65_536)),
             65_536
         );
     }
 
     #[test]
     fn the_fetch_settings_follow_the_budget_and_the_users_limits() {
-        let p = Prefetch::new(16 * 1_024, Some(8));
+        let p = Prefetch::new(16 * 1_024, RECORDS, Some(8));
         let extra = [("message.max.bytes".to_string(), "33554432".to_string())];
         assert_eq!(
             p.fetch_settings(&extra),
@@ -207,12 +236,31 @@ mod tests {
         );
     }
 
+    #[test]
+    fn the_records_are_shared_by_the_partitions_counted_too() {
+        let p = Prefetch::new(32 * 1_024, 16_384, Some(8));
+        assert_eq!(p.share_records(), 2_048);
+        assert_eq!(
+            p.queue_settings(),
+            [
+                ("queued.max.messages.kbytes", (4 * 1_024).to_string()),
+                ("queued.min.messages", "2048".to_string()),
+            ]
+        );
+        assert_eq!(
+            Prefetch::new(1, 10, Some(64)).share_records(),
+            1,
+            "at least one"
+        );
+        assert_eq!(Prefetch::new(1, 16_384, None).share_records(), 2_048);
+    }
+
     proptest! {
         /// Every counted partition gets the same share; together they hold no more than the
         /// total (or the floor's bound) and waste less than a KiB per partition to rounding.
         #[test]
         fn shares_add_up_to_the_total(total in 1u64..100_000_000, partitions in 1usize..10_000) {
-            let p = Prefetch::new(total, Some(partitions));
+            let p = Prefetch::new(total, RECORDS, Some(partitions));
             let share = p.share_kbytes();
             prop_assert!(share >= MIN_SHARE_KBYTES);
             let all = p.bound_kbytes(partitions);

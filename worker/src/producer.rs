@@ -179,7 +179,8 @@ impl StageProducer {
             return Ok(());
         };
         let traceparent = telemetry::traceparent(record).unwrap_or_default();
-        let mut extra = vec![(header::EVENT_ID, record.event_id.as_bytes())];
+        let event_id = record.event_id();
+        let mut extra = vec![(header::EVENT_ID, event_id.as_bytes())];
         if !traceparent.is_empty() {
             extra.push((header::TRACEPARENT, traceparent.as_bytes()));
         }

@@ -5,10 +5,11 @@
 //! the dispatcher and session tiers. The record knows its session and its stable event id from
 //! the start; everything downstream only reads them.
 
+use std::borrow::Cow;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use rdkafka::message::{Headers, OwnedHeaders};
 use rdkafka::Message;
 
@@ -34,6 +35,31 @@ pub mod header {
     pub const SOURCE_OFFSET: &str = "sessionflow-source-offset";
     pub const STAGE: &str = "sessionflow-stage";
     pub const ATTEMPTS: &str = "sessionflow-attempts";
+
+    /// Every name above.
+    const KNOWN: [&str; 12] = [
+        EVENT_ID,
+        SESSION,
+        ATTEMPT,
+        SEQ,
+        TRACEPARENT,
+        DLQ_REASON,
+        DLQ_ERROR,
+        SOURCE_TOPIC,
+        SOURCE_PARTITION,
+        SOURCE_OFFSET,
+        STAGE,
+        ATTEMPTS,
+    ];
+
+    /// `key` as a header name of a record: shared when it is one of sessionflow's, so the
+    /// headers every record carries cost no allocation each.
+    pub(crate) fn name(key: &str) -> super::HeaderName {
+        match KNOWN.iter().find(|known| **known == key) {
+            Some(known) => super::HeaderName::Borrowed(known),
+            None => super::HeaderName::Owned(key.to_owned()),
+        }
+    }
 }
 
 /// One assignment of one partition to this worker. Records carry it so that work belonging to
@@ -124,7 +150,15 @@ impl Drop for WritePermit {
     }
 }
 
+/// A header name: the names sessionflow knows are shared, any other is the record's own copy.
+pub type HeaderName = Cow<'static, str>;
+
 /// A record of the input topic, owned.
+///
+/// Key, value and header values are views of one buffer, copied out of librdkafka's in one
+/// go: one allocation per record instead of one per piece. A piece kept beyond the record
+/// keeps that buffer alive, so what outlives records (a session's id in the dispatcher's
+/// map) is copied out of it.
 #[derive(Debug, Clone)]
 pub struct InputRecord {
     pub topic: Arc<str>,
@@ -133,11 +167,12 @@ pub struct InputRecord {
     pub key: Option<Bytes>,
     pub value: Option<Bytes>,
     /// Headers in their original order; duplicates kept.
-    pub headers: Vec<(String, Option<Bytes>)>,
+    pub headers: Vec<(HeaderName, Option<Bytes>)>,
     /// Session id; `None` when the record has none (it goes to the DLQ).
     pub session: Option<Bytes>,
-    /// `sessionflow-event-id` of the input, or `topic-partition-offset`.
-    pub event_id: String,
+    /// The `sessionflow-seq` header, when present and numeric (read once, at intake: the
+    /// order watchdog looks at it twice per record).
+    pub seq: Option<u64>,
     pub lease: Arc<Lease>,
 }
 
@@ -149,34 +184,47 @@ impl InputRecord {
         source: &SessionSource,
         lease: Arc<Lease>,
     ) -> Self {
-        let headers: Vec<(String, Option<Bytes>)> = message
-            .headers()
-            .map(|hs| {
-                hs.iter()
-                    .map(|h| (h.key.to_string(), h.value.map(Bytes::copy_from_slice)))
-                    .collect()
-            })
-            .unwrap_or_default();
-        let key = message.key().map(Bytes::copy_from_slice);
+        // The headers are read once (each read converts a name from a C string), the first
+        // few into an array, so the buffer is sized exactly before anything is copied.
+        let raw = message.headers();
+        let mut first = [("", None::<&[u8]>); HEADERS_AT_ONCE];
+        let (mut count, mut header_bytes) = (0, 0);
+        for h in raw.iter().flat_map(|hs| hs.iter()) {
+            header_bytes += h.value.map_or(0, <[u8]>::len);
+            if let Some(slot) = first.get_mut(count) {
+                *slot = (h.key, h.value);
+            }
+            count += 1;
+        }
+        let mut buffer = Pieces(BytesMut::with_capacity(
+            message.key().map_or(0, <[u8]>::len)
+                + message.payload().map_or(0, <[u8]>::len)
+                + header_bytes,
+        ));
+        let key = message.key().map(|k| buffer.copy(k));
+        let value = message.payload().map(|v| buffer.copy(v));
+        let mut headers: Vec<(HeaderName, Option<Bytes>)> = Vec::with_capacity(count);
+        for (name, value) in &first[..count.min(HEADERS_AT_ONCE)] {
+            headers.push((header::name(name), value.map(|v| buffer.copy(v))));
+        }
+        for h in raw.iter().flat_map(|hs| hs.iter()).skip(HEADERS_AT_ONCE) {
+            headers.push((header::name(h.key), h.value.map(|v| buffer.copy(v))));
+        }
         let session = match source {
             SessionSource::Key => key.clone(),
             SessionSource::Header { name } => find(&headers, name).cloned(),
         }
         .filter(|s| !s.is_empty());
-        let event_id = find(&headers, header::EVENT_ID)
-            .and_then(|v| std::str::from_utf8(v).ok())
-            .filter(|v| !v.is_empty())
-            .map(str::to_owned)
-            .unwrap_or_else(|| generated_event_id(&topic, message.partition(), message.offset()));
+        let seq = find(&headers, header::SEQ).and_then(parse_seq);
         Self {
             partition: message.partition(),
             offset: message.offset(),
-            value: message.payload().map(Bytes::copy_from_slice),
+            value,
             topic,
             key,
             headers,
             session,
-            event_id,
+            seq,
             lease,
         }
     }
@@ -188,10 +236,23 @@ impl InputRecord {
 
     /// The `sessionflow-seq` header, when present and numeric.
     pub fn seq(&self) -> Option<u64> {
-        std::str::from_utf8(self.header(header::SEQ)?)
-            .ok()?
-            .parse()
-            .ok()
+        self.seq
+    }
+
+    /// The `sessionflow-event-id` the record carries (non-empty UTF-8), if any.
+    pub fn carried_event_id(&self) -> Option<&str> {
+        self.header(header::EVENT_ID)
+            .and_then(|v| std::str::from_utf8(v).ok())
+            .filter(|v| !v.is_empty())
+    }
+
+    /// The stable id of the record's event: the one it carries, or `topic-partition-offset`.
+    /// Made when asked, not at intake: a stage that writes no output never needs it.
+    pub fn event_id(&self) -> Cow<'_, str> {
+        match self.carried_event_id() {
+            Some(id) => Cow::Borrowed(id),
+            None => Cow::Owned(generated_event_id(&self.topic, self.partition, self.offset)),
+        }
     }
 
     /// The session id as text, for logs and HTTP headers (lossy for non-UTF-8 ids).
@@ -203,7 +264,7 @@ impl InputRecord {
     pub fn headers_with(&self, replace: &[&str], extra: &[(&str, &[u8])]) -> OwnedHeaders {
         let mut out = OwnedHeaders::new_with_capacity(self.headers.len() + extra.len());
         for (k, v) in &self.headers {
-            if replace.contains(&k.as_str()) {
+            if replace.contains(&k.as_ref()) {
                 continue;
             }
             out = out.insert(rdkafka::message::Header {
@@ -234,7 +295,24 @@ fn generated_event_id(topic: &str, partition: Partition, offset: Offset) -> Stri
     id
 }
 
-fn find<'a>(headers: &'a [(String, Option<Bytes>)], name: &str) -> Option<&'a Bytes> {
+/// Headers of a record read in one pass; any after them are read a second time.
+const HEADERS_AT_ONCE: usize = 8;
+
+/// Cuts a record's pieces off one buffer sized for all of them.
+struct Pieces(BytesMut);
+
+impl Pieces {
+    fn copy(&mut self, bytes: &[u8]) -> Bytes {
+        self.0.extend_from_slice(bytes);
+        self.0.split().freeze()
+    }
+}
+
+fn parse_seq(value: &Bytes) -> Option<u64> {
+    std::str::from_utf8(value).ok()?.parse().ok()
+}
+
+fn find<'a>(headers: &'a [(HeaderName, Option<Bytes>)], name: &str) -> Option<&'a Bytes> {
     headers
         .iter()
         .find(|(k, _)| k == name)
@@ -273,7 +351,8 @@ mod tests {
     fn session_from_key_and_generated_event_id() {
         let r = record(&message(Some(b"s1"), &[]), &SessionSource::Key);
         assert_eq!(r.session.as_deref(), Some(&b"s1"[..]));
-        assert_eq!(r.event_id, "in-3-42");
+        assert_eq!(r.carried_event_id(), None);
+        assert_eq!(r.event_id(), "in-3-42");
     }
 
     #[test]
@@ -296,7 +375,48 @@ mod tests {
             },
         );
         assert_eq!(r.session.as_deref(), Some(&b"c9"[..]));
-        assert_eq!(r.event_id, "e-1");
+        assert_eq!(r.event_id(), "e-1");
+    }
+
+    #[test]
+    fn every_header_is_carried_whole_and_named_beyond_the_ones_read_at_once() {
+        let long = "x".repeat(1_000);
+        let filler: Vec<String> = (0..HEADERS_AT_ONCE).map(|i| format!("h{i}")).collect();
+        let mut headers: Vec<(&str, &str)> = vec![(header::SEQ, "17"), ("custom", &long)];
+        headers.extend(filler.iter().map(|name| (name.as_str(), "f")));
+        headers.push((header::EVENT_ID, "e-9"));
+        let m = message(Some(b"s1"), &headers);
+        let r = record(&m, &SessionSource::Key);
+        assert_eq!(r.key.as_deref(), Some(&b"s1"[..]));
+        assert_eq!(r.value.as_deref(), Some(&b"v"[..]));
+        assert_eq!(r.header("custom").map(|v| v.len()), Some(long.len()));
+        assert_eq!(r.carried_event_id(), Some("e-9"));
+        assert_eq!(r.seq(), Some(17));
+        assert_eq!(r.headers.len(), headers.len());
+        for ((name, value), (got_name, got_value)) in headers.iter().zip(&r.headers) {
+            assert_eq!(*name, got_name.as_ref());
+            assert_eq!(value.as_bytes(), &got_value.as_ref().unwrap()[..]);
+        }
+        let shared: Vec<&str> = r
+            .headers
+            .iter()
+            .filter(|(k, _)| matches!(k, Cow::Borrowed(_)))
+            .map(|(k, _)| k.as_ref())
+            .collect();
+        assert_eq!(
+            shared,
+            [header::SEQ, header::EVENT_ID],
+            "sessionflow's names are shared, others are the record's own"
+        );
+    }
+
+    #[test]
+    fn a_sequence_number_counts_only_when_numeric_and_an_empty_event_id_is_none() {
+        let m = message(Some(b"s1"), &[(header::SEQ, "7a"), (header::EVENT_ID, "")]);
+        let r = record(&m, &SessionSource::Key);
+        assert_eq!(r.seq(), None);
+        assert_eq!(r.carried_event_id(), None);
+        assert_eq!(r.event_id(), "in-3-42");
     }
 
     #[test]

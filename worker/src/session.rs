@@ -30,7 +30,6 @@ use bytes::Bytes;
 use futures::FutureExt;
 use rand::Rng;
 use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
@@ -39,9 +38,10 @@ use crate::handler::{Handler, HandlerError, HandlerResult};
 use crate::health::Health;
 use crate::metrics::Metrics;
 use crate::producer::StageProducer;
-use crate::record::{header, InputRecord};
+use crate::record::InputRecord;
 use crate::retry::RetryPolicy;
 use crate::settle::{Outcome, Settled, Settler};
+use crate::signal::Signal;
 use crate::stuck::{StuckPolicy, StuckWatch, Verdict};
 use crate::telemetry;
 use crate::watchdog::SeqWatch;
@@ -58,11 +58,11 @@ pub struct SessionContext<H> {
     pub metrics: Metrics,
     pub health: Arc<Health>,
     /// Cancelled when the shutdown deadline passes: stop mid-record, leave it uncommitted.
-    pub abort: CancellationToken,
+    pub abort: Signal,
     /// Cancelled at shutdown unless the stage drains everything queued: a session finishes
     /// the record it is working on and releases the ones queued behind it (the partition's
     /// next owner takes them).
-    pub release_queued: CancellationToken,
+    pub release_queued: Signal,
 }
 
 impl<H> SessionContext<H> {
@@ -166,7 +166,16 @@ struct RecentEvents {
 
 impl RecentEvents {
     fn contains(&self, id: &str, epoch: u64) -> bool {
-        !self.epochs.is_empty() && self.epochs.get(id) == Some(&epoch)
+        self.epochs.get(id) == Some(&epoch)
+    }
+
+    /// Whether `record` is a replay of one settled recently under the same assignment. With
+    /// nothing remembered (stages whose input carries no event ids) it costs no header scan.
+    fn replays(&self, record: &InputRecord) -> bool {
+        !self.epochs.is_empty()
+            && record
+                .carried_event_id()
+                .is_some_and(|id| self.contains(id, record.lease.epoch))
     }
 
     fn insert(&mut self, id: &str, epoch: u64) {
@@ -206,13 +215,13 @@ impl<H: Handler> SessionTask<H> {
             }
             if record.lease.is_draining() || self.ctx.release_queued.is_cancelled() {
                 self.ctx.producer.release(&record);
-            } else if self.recent.contains(&record.event_id, record.lease.epoch) {
+            } else if self.recent.replays(&record) {
                 self.ctx.metrics.replay_skipped.inc();
                 self.ctx.producer.complete(&record);
             } else {
                 // Boxed: the record's future (handler call, retries, produce) is large and
                 // needed only while the session works; an idle session keeps only its queue.
-                Box::pin(self.process(*record)).await;
+                Box::pin(self.process(record)).await;
             }
             self.queued.fetch_sub(1, Ordering::AcqRel);
         }
@@ -222,7 +231,7 @@ impl<H: Handler> SessionTask<H> {
 
     /// Runs one record until it is settled (output or DLQ acknowledged), or releases it
     /// (abort, revocation).
-    async fn process(&mut self, record: InputRecord) {
+    async fn process(&mut self, record: Box<InputRecord>) {
         if self.entry.observe(record.lease.epoch, record.seq()) {
             self.ctx
                 .metrics
@@ -232,10 +241,10 @@ impl<H: Handler> SessionTask<H> {
             tracing::error!(session = %record.session_str(), offset = record.offset,
                 seq = record.seq(), "order violation at handler entry");
         }
-        let mut watch = StuckWatch::start(self.ctx.stuck);
         let span = telemetry::record_span(&record);
         let traced = !span.is_none();
         let started = Instant::now();
+        let mut watch = StuckWatch::start(self.ctx.stuck, started);
         let settled = async {
             match self.attempt(&record, &mut watch, started, traced).await {
                 Some(outcome) => {
@@ -253,8 +262,8 @@ impl<H: Handler> SessionTask<H> {
         .instrument(span)
         .await;
         watch.finish(&self.ctx.metrics);
-        if settled == Settled::Done && record.header(header::EVENT_ID).is_some() {
-            self.recent.insert(&record.event_id, record.lease.epoch);
+        if let (Settled::Done, Some(id)) = (settled, record.carried_event_id()) {
+            self.recent.insert(id, record.lease.epoch);
         }
     }
 
@@ -270,14 +279,18 @@ impl<H: Handler> SessionTask<H> {
     ) -> Option<Outcome> {
         let ctx = &*self.ctx;
         let mut attempt: u32 = 1;
+        let mut started = first_start;
         loop {
-            let started = Instant::now();
             let call = self
                 .call(record, attempt)
                 .instrument(telemetry::attempt_span(traced, attempt));
             tokio::pin!(call);
             let result = loop {
+                // Biased, the call first: a handler that is done at its first poll (most are,
+                // for a cached or CPU-only step) never arms the stuck timer or registers with
+                // the abort token, which would cost a timer-wheel entry per record.
                 tokio::select! {
+                    biased;
                     r = &mut call => break r,
                     _ = ctx.abort.cancelled() => return None,
                     _ = watch.expired(), if watch.armed() => {
@@ -292,15 +305,13 @@ impl<H: Handler> SessionTask<H> {
                     }
                 }
             };
-            let outcome = match &result {
-                Ok(_) => "ok",
-                Err(HandlerError::Transient(_)) => "transient",
-                Err(HandlerError::Poison(_)) => "poison",
-            };
-            ctx.metrics
-                .handler_seconds
-                .with_label_values(&[outcome])
-                .observe(started.elapsed().as_secs_f64());
+            let seconds = &ctx.metrics.handler_outcome;
+            match &result {
+                Ok(_) => &seconds.ok,
+                Err(HandlerError::Transient(_)) => &seconds.transient,
+                Err(HandlerError::Poison(_)) => &seconds.poison,
+            }
+            .observe(started.elapsed().as_secs_f64());
             let error = match result {
                 Ok(payload) => return Some(Outcome::Output(payload)),
                 Err(HandlerError::Poison(e)) => {
@@ -344,6 +355,7 @@ impl<H: Handler> SessionTask<H> {
                 return None;
             }
             attempt += 1;
+            started = Instant::now();
         }
     }
 

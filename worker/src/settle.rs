@@ -21,7 +21,6 @@
 use std::time::Instant;
 
 use rand::Rng;
-use tokio_util::sync::CancellationToken;
 
 use crate::dlq::DlqReason;
 use crate::health::Health;
@@ -29,6 +28,7 @@ use crate::metrics::Metrics;
 use crate::producer::StageProducer;
 use crate::record::InputRecord;
 use crate::retry::RetryPolicy;
+use crate::signal::Signal;
 use crate::stuck::StuckWatch;
 
 /// What a record's processing produced, to be written.
@@ -68,7 +68,7 @@ pub struct Settler<'a> {
     pub metrics: &'a Metrics,
     pub health: &'a Health,
     /// Cancelled when the shutdown deadline passes: stop retrying refused dead letters.
-    pub abort: &'a CancellationToken,
+    pub abort: &'a Signal,
 }
 
 impl Settler<'_> {
@@ -128,7 +128,7 @@ impl Settler<'_> {
                     if refusals == 0 {
                         tracing::warn!(reason = reason.as_str(), error, partition = record.partition,
                             offset = record.offset, session = %record.session_str(),
-                            event_id = %record.event_id, "record to DLQ");
+                            event_id = %record.event_id(), "record to DLQ");
                     }
                     self.producer
                         .write_dead_letter(record, *reason, error, *attempts, &permit)
@@ -151,7 +151,7 @@ impl Settler<'_> {
                     blocked.set();
                     tracing::error!(error = %e, refusals, partition = record.partition,
                         offset = record.offset, session = %record.session_str(),
-                        event_id = %record.event_id,
+                        event_id = %record.event_id(),
                         "dead letter refused; retrying (the record stays uncommitted)");
                     let delay = DLQ_RETRY.delay(refusals, rand::rng().random::<f64>());
                     let sleep = tokio::time::sleep(delay);

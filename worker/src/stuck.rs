@@ -45,10 +45,10 @@ pub enum Verdict {
 }
 
 impl StuckWatch {
-    /// Starts timing a record whose first attempt starts now.
-    pub fn start(policy: StuckPolicy) -> Self {
+    /// Starts timing a record whose first attempt starts at `started`.
+    pub fn start(policy: StuckPolicy, started: Instant) -> Self {
         Self {
-            deadline: tokio::time::Instant::now() + policy.timeout,
+            deadline: tokio::time::Instant::from_std(started + policy.timeout),
             policy,
             reported: false,
         }
@@ -70,7 +70,7 @@ impl StuckWatch {
         metrics.stuck_records.inc();
         metrics.stuck_now.inc();
         tracing::warn!(partition = record.partition, offset = record.offset,
-            session = %record.session_str(), event_id = %record.event_id,
+            session = %record.session_str(), event_id = %record.event_id(),
             elapsed_ms = started.elapsed().as_millis() as u64,
             action = ?self.policy.action, "record stuck in its handler");
         match self.policy.action {

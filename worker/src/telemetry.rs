@@ -152,7 +152,7 @@ impl Extractor for RecordHeaders<'_> {
     }
 
     fn keys(&self) -> Vec<&str> {
-        self.0.headers.iter().map(|(k, _)| k.as_str()).collect()
+        self.0.headers.iter().map(|(k, _)| k.as_ref()).collect()
     }
 }
 
@@ -167,7 +167,7 @@ pub fn record_span(record: &InputRecord) -> tracing::Span {
         session = %record.session_str(),
         partition = record.partition,
         offset = record.offset,
-        event_id = %record.event_id,
+        event_id = %record.event_id(),
     );
     if traced {
         let parent = TraceContextPropagator::new().extract(&RecordHeaders(record));

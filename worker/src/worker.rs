@@ -174,7 +174,7 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         shutdown_timeout: Duration::from_millis(config.shutdown_timeout_ms),
         shutdown_fence_timeout: Duration::from_millis(config.shutdown_fence_ms()),
         shutdown_drain_queued: config.shutdown_drain_queued,
-        prefetch: Prefetch::new(config.prefetch_kbytes, counted),
+        prefetch: Prefetch::new(config.prefetch_kbytes, config.prefetch_records, counted),
     };
     let assigned = Assigned::default();
     let lag_thread = LagReporter {

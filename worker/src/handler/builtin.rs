@@ -36,14 +36,14 @@ impl BuiltinHandler {
 
     /// Whether this record is poison, whatever the attempt.
     pub fn is_poison(&self, record: &InputRecord) -> bool {
-        self.draw(&[b"poison", record.event_id.as_bytes()]) < self.config.poison_rate
+        self.draw(&[b"poison", record.event_id().as_bytes()]) < self.config.poison_rate
     }
 
     /// Whether this attempt of this record fails transiently.
     pub fn is_transient_failure(&self, record: &InputRecord, attempt: u32) -> bool {
         self.draw(&[
             b"transient",
-            record.event_id.as_bytes(),
+            record.event_id().as_bytes(),
             &attempt.to_le_bytes(),
         ]) < self.config.transient_rate
     }
@@ -53,7 +53,7 @@ impl BuiltinHandler {
     /// that outlived a rebalance) is usually quick when the partition's next owner redoes it.
     pub fn is_slow(&self, record: &InputRecord) -> bool {
         let process = std::process::id().to_le_bytes();
-        self.draw(&[b"slow", record.event_id.as_bytes(), &process]) < self.config.slow_rate
+        self.draw(&[b"slow", record.event_id().as_bytes(), &process]) < self.config.slow_rate
     }
 
     pub async fn handle(&self, record: &InputRecord, attempt: u32) -> HandlerResult {
@@ -94,7 +94,7 @@ mod tests {
             value: Some(bytes::Bytes::from(format!("v{i}"))),
             headers: vec![],
             session: Some("s".into()),
-            event_id: format!("t-0-{i}"),
+            seq: None,
             lease: Arc::new(Lease::new(0, 0)),
         }
     }
