@@ -17,6 +17,7 @@ mod scenarios;
 mod sweep_report;
 mod sweeps;
 mod systems;
+mod timer_ceiling;
 mod workload;
 
 use std::path::PathBuf;

@@ -367,6 +367,19 @@ fn scenario_table(o: &Outcome, md: &mut String) {
             }
         }
     }
+    if let Some(rate) = o.timer_ceiling {
+        let io = o.scenario.handler.io_ms;
+        let _ = writeln!(
+            md,
+            "Tokio's timer ceiling for this handler: {} tasks doing nothing but the {io} ms sleep \
+             in a loop reach {} msg/s on this machine (one sleep lasts {:.2} ms: the timer rounds \
+             up to whole milliseconds); sessionflow's backlog rate is {} of it.\n",
+            fmt_int(o.scenario.sessions as f64),
+            fmt_int(rate),
+            o.scenario.sessions as f64 / rate * 1e3,
+            fmt_ratio(ratio(throughput(o, SystemKind::Sessionflow), Some(rate))),
+        );
+    }
     let _ = writeln!(
         md,
         "Scenario wall time: {:.0} s{}.\n",

@@ -10,7 +10,7 @@
 //! development.
 
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use sessionflow_worker::loadgen::SessionChoice;
@@ -407,6 +407,10 @@ pub struct Outcome {
     pub systems: Vec<SystemOutcome>,
     /// How fast the backlog was produced.
     pub backlog_produce_rate: Option<f64>,
+    /// For a handler that waits: what tasks doing nothing but its wait reach on this runtime,
+    /// one per session (see `timer_ceiling`).
+    #[serde(default)]
+    pub timer_ceiling: Option<f64>,
     pub wall_s: f64,
 }
 
@@ -438,6 +442,7 @@ pub async fn run(opts: &Options, sc: &Scenario) -> anyhow::Result<Outcome> {
         })
         .collect();
     let mut backlog_produce_rate = None;
+    let mut timer_ceiling = None;
     let result = async {
         if let Some(b) = &sc.backlog {
             let topic = format!("bench-{id}-backlog-{tag}");
@@ -469,6 +474,20 @@ pub async fn run(opts: &Options, sc: &Scenario) -> anyhow::Result<Outcome> {
                 s.backlog = Some(m);
             }
             let _ = topics::delete(&opts.brokers, &[&topic]).await;
+            if sc.handler.io_ms > 0 {
+                let sleeps = (b.records / sc.sessions.max(1)).max(1);
+                let rate = crate::timer_ceiling::rate(
+                    sc.sessions,
+                    sleeps,
+                    Duration::from_millis(sc.handler.io_ms),
+                )
+                .await;
+                eprintln!(
+                    "[{id}] timer ceiling: {} tasks sleeping {} ms {sleeps} times: {rate:.0}/s",
+                    sc.sessions, sc.handler.io_ms
+                );
+                timer_ceiling = Some(rate);
+            }
         }
         // Each system's paced runs back to back (with the fault, then without), so the
         // fault-free p99 a system is compared with was measured under the same conditions.
@@ -504,6 +523,7 @@ pub async fn run(opts: &Options, sc: &Scenario) -> anyhow::Result<Outcome> {
         scenario: sc.clone(),
         systems,
         backlog_produce_rate,
+        timer_ceiling,
         wall_s: started.elapsed().as_secs_f64(),
     })
 }

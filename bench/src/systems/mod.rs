@@ -156,6 +156,9 @@ impl SystemSettings {
 /// `prefetchKbytes` is a total per worker, left at its default.
 pub const PREFETCH_KBYTES: u64 = 16_384;
 pub const PREFETCH_KEY: &str = "queued.max.messages.kbytes";
+/// Left at librdkafka's default (100,000 per queue) for the baselines; for sessionflow,
+/// `--sessionflow-kafka queued.min.messages=N` sets `prefetchRecords`.
+pub const PREFETCH_RECORDS_KEY: &str = "queued.min.messages";
 
 /// librdkafka settings every system's consumer uses (sessionflow gets them as `kafka:` extras).
 pub fn common_kafka(settings: &SystemSettings) -> Vec<(&'static str, String)> {

@@ -18,7 +18,7 @@ use sessionflow_worker::config::{BuiltinHandlerConfig, HandlerConfig, RetryConfi
 use sessionflow_worker::record::header;
 use sessionflow_worker::{Handler, HandlerError, HandlerResult, InputRecord, StageConfig};
 
-use super::{common_kafka, Running, SystemSettings, PREFETCH_KEY};
+use super::{common_kafka, Running, SystemSettings, PREFETCH_KEY, PREFETCH_RECORDS_KEY};
 use crate::handler::Core;
 use crate::workload::decode;
 
@@ -48,20 +48,26 @@ impl Handler for BenchHandler {
 
 pub fn stage_config(settings: &SystemSettings) -> StageConfig {
     // The baselines' prefetch is per partition queue; sessionflow bounds it per worker
-    // (`prefetchKbytes`, its default unless the run asks otherwise).
+    // (`prefetchKbytes`, `prefetchRecords`: its defaults unless the run asks otherwise).
     let kafka: BTreeMap<String, String> = common_kafka(settings)
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
         .chain(settings.sessionflow_kafka.iter().cloned())
-        .filter(|(k, _)| k != PREFETCH_KEY)
+        .filter(|(k, _)| k != PREFETCH_KEY && k != PREFETCH_RECORDS_KEY)
         .collect();
-    // `--sessionflow-kafka queued.max.messages.kbytes=N` sets the engine's total.
-    let prefetch_kbytes = settings
-        .sessionflow_kafka
-        .iter()
-        .find(|(k, _)| k == PREFETCH_KEY)
-        .and_then(|(_, v)| v.parse().ok())
-        .unwrap_or_else(sessionflow_worker::config::defaults::prefetch_kbytes);
+    // `--sessionflow-kafka queued.max.messages.kbytes=N` (or `queued.min.messages=N`) sets the
+    // engine's total.
+    let total = |key: &str| {
+        settings
+            .sessionflow_kafka
+            .iter()
+            .find(|(k, _)| k == key)
+            .and_then(|(_, v)| v.parse().ok())
+    };
+    let prefetch_kbytes =
+        total(PREFETCH_KEY).unwrap_or_else(sessionflow_worker::config::defaults::prefetch_kbytes);
+    let prefetch_records = total(PREFETCH_RECORDS_KEY)
+        .unwrap_or_else(sessionflow_worker::config::defaults::prefetch_records);
     StageConfig {
         brokers: settings.brokers.clone(),
         group: Some(settings.group.clone()),
@@ -86,6 +92,7 @@ pub fn stage_config(settings: &SystemSettings) -> StageConfig {
         session_idle_ms: settings.session_idle_ms,
         max_in_flight_per_partition: 10_000,
         prefetch_kbytes,
+        prefetch_records,
         lag_interval_ms: 5_000,
         shutdown_timeout_ms: 10_000,
         shutdown_drain_queued: false,
