@@ -450,7 +450,9 @@ pub fn markdown(
          setting puts a floor under every system's latency — with 100 ms even the raw consumer's \
          p50 is ~25–30 ms); prefetch: the baselines `queued.max.messages.kbytes` {} per \
          partition queue, sessionflow its default `prefetchKbytes` {} in total (shared by the \
-         partitions; see *The allocator and the prefetch* in the notes)\n{}",
+         partitions; see *The allocator and the prefetch* in the notes); every system's queues: \
+         `queued.min.messages` sessionflow's default `prefetchRecords` {} shared by the \
+         partitions, `fetch.queue.backoff.ms` {}\n{}",
         env.command,
         env.nproc,
         env.cpu_model,
@@ -471,6 +473,8 @@ pub fn markdown(
         env.fetch_wait_ms,
         crate::systems::PREFETCH_KBYTES,
         sessionflow_worker::config::defaults::prefetch_kbytes(),
+        sessionflow_worker::config::defaults::prefetch_records(),
+        sessionflow_worker::prefetch::FETCH_QUEUE_BACKOFF_MS,
         if (env.scale - 1.0).abs() > f64::EPSILON {
             format!(
                 "- **scaled run** (`--scale {}`): not the full-size benchmark\n",
