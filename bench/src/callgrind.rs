@@ -41,6 +41,10 @@ pub struct WorkloadArgs {
     /// batch serialised and sent, is not included).
     #[arg(long)]
     spans: bool,
+    /// As the benchmark's `--sessionflow-kafka` (e.g. `queued.min.messages=N` for the
+    /// engine's `prefetchRecords`).
+    #[arg(long, value_parser = crate::key_value)]
+    sessionflow_kafka: Vec<(String, String)>,
 }
 
 /// Callgrind's client requests (valgrind/callgrind.h): the tool base `('C','T')`, then in order
@@ -117,7 +121,7 @@ pub async fn run(args: WorkloadArgs) -> anyhow::Result<()> {
         session_idle_ms: 60_000,
         telemetry: args.telemetry,
         fetch_wait_ms: 10,
-        sessionflow_kafka: vec![],
+        sessionflow_kafka: args.sessionflow_kafka.clone(),
     };
     let core = Arc::new(Core::new(
         HandlerSpec::default(),

@@ -62,7 +62,8 @@ struct Cli {
     sessionflow_output: bool,
     /// Extra librdkafka properties for sessionflow's stage (its `kafka:` map, which its
     /// consumer and producer both get), e.g. `--sessionflow-kafka linger.ms=1`; repeatable.
-    /// `queued.max.messages.kbytes=N` sets the engine's prefetch total (`prefetchKbytes`).
+    /// `queued.max.messages.kbytes=N` sets the engine's prefetch total (`prefetchKbytes`),
+    /// `queued.min.messages=N` its total in records (`prefetchRecords`).
     #[arg(long, value_parser = key_value)]
     sessionflow_kafka: Vec<(String, String)>,
     /// Workers of the flat-pool baseline.
