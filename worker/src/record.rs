@@ -2,8 +2,9 @@
 //!
 //! The consumer copies each Kafka message out of librdkafka's buffer once, into an
 //! [`InputRecord`], so the message can outlive the poll call that produced it and travel through
-//! the dispatcher and session tiers. The record knows its session and its stable event id from
-//! the start; everything downstream only reads them.
+//! the dispatcher and session tiers. The record knows its session (and its `sessionflow-seq`)
+//! from the start; its stable event id is made when something asks for it, since a stage that
+//! writes no result never does. Everything downstream only reads them.
 
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicU64, Ordering};
