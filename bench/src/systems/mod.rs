@@ -197,16 +197,17 @@ pub fn baseline_consumer(settings: &SystemSettings, auto_commit: bool) -> Client
 /// per queue), the sequential consumer drained P1 at ~500k msg/s with a 210–290 MiB peak; with
 /// these, at ~640k with ~135 MiB (see the notes).
 pub fn baseline_queue_settings(partitions: i32) -> [(&'static str, String); 2] {
-    let records = sessionflow_worker::config::defaults::prefetch_records();
+    use sessionflow_worker::config::defaults;
+    use sessionflow_worker::prefetch::{Prefetch, FETCH_QUEUE_BACKOFF_MS};
+    // The engine's own share, as its consumer gets it for this many partitions.
+    let engine = Prefetch::new(
+        defaults::prefetch_kbytes(),
+        defaults::prefetch_records(),
+        usize::try_from(partitions).ok(),
+    );
     [
-        (
-            "fetch.queue.backoff.ms",
-            sessionflow_worker::prefetch::FETCH_QUEUE_BACKOFF_MS.to_string(),
-        ),
-        (
-            "queued.min.messages",
-            (records / partitions.max(1) as u64).max(1).to_string(),
-        ),
+        ("fetch.queue.backoff.ms", FETCH_QUEUE_BACKOFF_MS.to_string()),
+        ("queued.min.messages", engine.share_records().to_string()),
     ]
 }
 
