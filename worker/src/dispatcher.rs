@@ -88,8 +88,7 @@ impl<H: Handler> Dispatcher<H> {
                     // A copy, not a view: the record's id is a view of its whole buffer, which
                     // the map would otherwise keep for as long as the session lives.
                     let session = Bytes::copy_from_slice(session);
-                    let mut handle =
-                        SessionHandle::spawn(session.clone(), self.ctx.clone(), &self.tasks);
+                    let mut handle = SessionHandle::spawn(self.ctx.clone(), &self.tasks);
                     let sent = handle.send(record, &self.ctx.metrics, now);
                     self.sessions.insert(session, handle);
                     sent
@@ -120,5 +119,116 @@ impl<H: Handler> Dispatcher<H> {
         if self.sessions.capacity() > 1_024 && self.sessions.len() < self.sessions.capacity() / 4 {
             self.sessions.shrink_to_fit();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::health::Health;
+    use crate::metrics::Metrics;
+    use crate::producer::{producer_config, ProducerEvents, StageProducer};
+    use crate::record::Lease;
+    use crate::retry::RetryPolicy;
+    use crate::signal::Signal;
+    use crate::stuck::{StuckAction, StuckPolicy};
+    use crate::HandlerResult;
+
+    struct Noop;
+
+    impl Handler for Noop {
+        async fn handle(&self, _: &InputRecord, _: u32) -> HandlerResult {
+            Ok(None)
+        }
+    }
+
+    fn context() -> (
+        Arc<SessionContext<Noop>>,
+        crate::completion::CompletionReceiver,
+    ) {
+        let metrics = Metrics::new("test");
+        let health = Arc::new(Health::default());
+        let (completions, done) = crate::completion::channel();
+        // Never connects: a terminal stage without records to dead-letter produces nothing.
+        let producer = StageProducer::new(
+            &producer_config("127.0.0.1:1", &[]),
+            ProducerEvents {
+                health: health.clone(),
+                metrics: metrics.clone(),
+                fatal: Default::default(),
+            },
+            None,
+            "dlq".into(),
+            "test".into(),
+            completions,
+            metrics.clone(),
+        )
+        .unwrap();
+        let ctx = SessionContext {
+            handler: Arc::new(Noop),
+            producer,
+            retry: RetryPolicy::default(),
+            stuck: StuckPolicy {
+                timeout: Duration::from_secs(60),
+                action: StuckAction::Log,
+            },
+            metrics,
+            health,
+            abort: Signal::default(),
+            release_queued: Signal::default(),
+        };
+        (Arc::new(ctx), done)
+    }
+
+    fn record(session: usize, seq: u64, lease: &Arc<Lease>) -> InputRecord {
+        InputRecord {
+            topic: "t".into(),
+            partition: 0,
+            offset: session as i64,
+            key: None,
+            value: Some(Bytes::from_static(b"v")),
+            headers: vec![],
+            session: Some(format!("session-{session:07}").into()),
+            seq: Some(seq),
+            lease: lease.clone(),
+        }
+    }
+
+    /// What an idle session keeps, once its records are done: its task, its queue and its
+    /// entry in the dispatcher's map. A burst of a million users is that many times this
+    /// (1,813 bytes with tokio's unbounded channel for the queue and an `async fn` task that
+    /// held itself twice; ~650 since).
+    #[cfg(feature = "jemalloc")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_idle_session_keeps_under_800_bytes() {
+        const SESSIONS: usize = 20_000;
+        let (ctx, done) = context();
+        let (tx, rx) = mpsc::channel(BATCH);
+        let tasks = TaskTracker::new();
+        let idle = Duration::from_secs(3_600);
+        let dispatcher = tokio::spawn(Dispatcher::new(rx, ctx.clone(), idle, tasks.clone()).run());
+        let lease = Arc::new(Lease::new(0, 1));
+        // Every record's completion taken off its channel (which would count otherwise).
+        let settled = || async {
+            let mut completed = 0;
+            while completed < SESSIONS {
+                completed += done.try_iter().count();
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        };
+        let before = crate::memory::allocated_bytes().unwrap();
+        for s in 0..SESSIONS {
+            tx.send(record(s, 1, &lease)).await.unwrap();
+        }
+        settled().await;
+        let after = crate::memory::allocated_bytes().unwrap();
+        let each = (after - before) / SESSIONS as u64;
+        println!("{each} bytes per idle session");
+        assert_eq!(ctx.metrics.active_sessions.get(), SESSIONS as i64);
+        assert!(each < 800, "{each} bytes per idle session");
+        drop(tx);
+        dispatcher.await.unwrap();
+        tasks.close();
+        tasks.wait().await;
     }
 }

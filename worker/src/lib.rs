@@ -20,6 +20,7 @@ pub mod health;
 pub mod intake;
 pub mod lag;
 pub mod loadgen;
+pub mod mailbox;
 pub mod memory;
 pub mod metrics;
 pub mod offset_map;

@@ -22,20 +22,19 @@
 //! within the assignment that settled it (see `RecentEvents`).
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Instant;
 
-use bytes::Bytes;
 use futures::FutureExt;
 use rand::Rng;
-use tokio::sync::mpsc;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::dlq::DlqReason;
 use crate::handler::{Handler, HandlerError, HandlerResult};
 use crate::health::Health;
+use crate::mailbox;
 use crate::metrics::Metrics;
 use crate::producer::StageProducer;
 use crate::record::InputRecord;
@@ -78,29 +77,20 @@ impl<H> SessionContext<H> {
 
 /// A running session's queue, as its dispatcher sees it.
 pub struct SessionHandle {
-    /// Boxed: tokio's unbounded channel allocates its slots 32 at a time, so an idle session
-    /// holds 32 slots; a pointer each instead of a whole record keeps that at ~0.3 KB.
-    tx: mpsc::UnboundedSender<Box<InputRecord>>,
-    /// Records sent to the task and not yet finished by it.
-    queued: Arc<AtomicUsize>,
+    /// Boxed: the queue's slots stay allocated while the session lives (a few for an idle
+    /// one, see `mailbox`); a pointer each instead of a whole record.
+    tx: mailbox::Sender<Box<InputRecord>>,
     last_active: Instant,
     /// Order check of the records as they reach the session (the watchdog's "intake").
     intake: SeqWatch,
 }
 
 impl SessionHandle {
-    /// Spawns the task of `session` on `tasks`.
-    pub fn spawn<H: Handler>(
-        session: Bytes,
-        ctx: Arc<SessionContext<H>>,
-        tasks: &TaskTracker,
-    ) -> Self {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let queued = Arc::new(AtomicUsize::new(0));
+    /// Spawns a session's task on `tasks`.
+    pub fn spawn<H: Handler>(ctx: Arc<SessionContext<H>>, tasks: &TaskTracker) -> Self {
+        let (tx, rx) = mailbox::mailbox();
         let task = SessionTask {
-            session,
             rx,
-            queued: queued.clone(),
             ctx,
             entry: SeqWatch::default(),
             recent: RecentEvents::default(),
@@ -108,7 +98,6 @@ impl SessionHandle {
         tasks.spawn(task.run());
         Self {
             tx,
-            queued,
             last_active: Instant::now(),
             intake: SeqWatch::default(),
         }
@@ -132,17 +121,13 @@ impl SessionHandle {
             tracing::error!(session = %record.session_str(), offset = record.offset,
                 seq = record.seq(), "order violation at intake");
         }
-        self.queued.fetch_add(1, Ordering::AcqRel);
         self.last_active = now;
-        self.tx.send(Box::new(record)).map_err(|e| {
-            self.queued.fetch_sub(1, Ordering::AcqRel);
-            *e.0
-        })
+        self.tx.send(Box::new(record)).map_err(|back| *back)
     }
 
     /// Idle: nothing queued or running, for at least `idle`.
     pub fn is_idle(&self, now: Instant, idle: std::time::Duration) -> bool {
-        self.queued.load(Ordering::Acquire) == 0 && now.duration_since(self.last_active) >= idle
+        self.tx.unfinished() == 0 && now.duration_since(self.last_active) >= idle
     }
 }
 
@@ -157,47 +142,52 @@ impl SessionHandle {
 /// Only ids carried in the `sessionflow-event-id` header are remembered: an id made from the
 /// record's own offset (`topic-partition-offset`) cannot come again within an assignment,
 /// whose offsets are taken in once each (see `offsets`), so remembering it would only cost.
-/// One allocation per id remembered, shared by the map and the eviction order.
+/// One allocation per id remembered, shared by the map and the eviction order; nothing at all
+/// (a null pointer in the task) until the first id, since most sessions never see one.
 #[derive(Default)]
-struct RecentEvents {
+struct RecentEvents(Option<Box<Remembered>>);
+
+#[derive(Default)]
+struct Remembered {
     order: VecDeque<Arc<str>>,
     epochs: foldhash::HashMap<Arc<str>, u64>,
 }
 
 impl RecentEvents {
     fn contains(&self, id: &str, epoch: u64) -> bool {
-        self.epochs.get(id) == Some(&epoch)
+        self.0
+            .as_ref()
+            .is_some_and(|r| r.epochs.get(id) == Some(&epoch))
     }
 
     /// Whether `record` is a replay of one settled recently under the same assignment. With
     /// nothing remembered (stages whose input carries no event ids) it costs no header scan.
     fn replays(&self, record: &InputRecord) -> bool {
-        !self.epochs.is_empty()
+        self.0.is_some()
             && record
                 .carried_event_id()
                 .is_some_and(|id| self.contains(id, record.lease.epoch))
     }
 
     fn insert(&mut self, id: &str, epoch: u64) {
-        if let Some(known) = self.epochs.get_mut(id) {
+        let r = self.0.get_or_insert_with(Box::default);
+        if let Some(known) = r.epochs.get_mut(id) {
             *known = epoch;
             return;
         }
         let id: Arc<str> = id.into();
-        self.epochs.insert(id.clone(), epoch);
-        self.order.push_back(id);
-        if self.order.len() > RECENT_EVENT_IDS {
-            if let Some(old) = self.order.pop_front() {
-                self.epochs.remove(&old);
+        r.epochs.insert(id.clone(), epoch);
+        r.order.push_back(id);
+        if r.order.len() > RECENT_EVENT_IDS {
+            if let Some(old) = r.order.pop_front() {
+                r.epochs.remove(&old);
             }
         }
     }
 }
 
 struct SessionTask<H> {
-    session: Bytes,
-    rx: mpsc::UnboundedReceiver<Box<InputRecord>>,
-    queued: Arc<AtomicUsize>,
+    rx: mailbox::Receiver<Box<InputRecord>>,
     ctx: Arc<SessionContext<H>>,
     /// Order check at handler entry.
     entry: SeqWatch,
@@ -205,28 +195,32 @@ struct SessionTask<H> {
 }
 
 impl<H: Handler> SessionTask<H> {
-    async fn run(mut self) {
-        self.ctx.metrics.active_sessions.inc();
-        // The dispatcher drops the sender when it reaps this session or shuts down; queued
-        // records are still processed first.
-        while let Some(record) = self.rx.recv().await {
-            if self.ctx.abort.is_cancelled() {
-                break;
+    // Not an `async fn`: that would copy `self` into the future twice (the argument, then the
+    // binding it is moved into), and every idle session's task would carry both.
+    #[allow(clippy::manual_async_fn)]
+    fn run(mut self) -> impl Future<Output = ()> + Send {
+        async move {
+            self.ctx.metrics.active_sessions.inc();
+            // The dispatcher drops the sender when it reaps this session or shuts down; queued
+            // records are still processed first.
+            while let Some(record) = self.rx.recv().await {
+                if self.ctx.abort.is_cancelled() {
+                    break;
+                }
+                if record.lease.is_draining() || self.ctx.release_queued.is_cancelled() {
+                    self.ctx.producer.release(&record);
+                } else if self.recent.replays(&record) {
+                    self.ctx.metrics.replay_skipped.inc();
+                    self.ctx.producer.complete(&record);
+                } else {
+                    // Boxed: the record's future (handler call, retries, produce) is large and
+                    // needed only while the session works; an idle session keeps only its queue.
+                    Box::pin(self.process(record)).await;
+                }
+                self.rx.finished();
             }
-            if record.lease.is_draining() || self.ctx.release_queued.is_cancelled() {
-                self.ctx.producer.release(&record);
-            } else if self.recent.replays(&record) {
-                self.ctx.metrics.replay_skipped.inc();
-                self.ctx.producer.complete(&record);
-            } else {
-                // Boxed: the record's future (handler call, retries, produce) is large and
-                // needed only while the session works; an idle session keeps only its queue.
-                Box::pin(self.process(record)).await;
-            }
-            self.queued.fetch_sub(1, Ordering::AcqRel);
+            self.ctx.metrics.active_sessions.dec();
         }
-        self.ctx.metrics.active_sessions.dec();
-        tracing::trace!(session = %String::from_utf8_lossy(&self.session), "session task ended");
     }
 
     /// Runs one record until it is settled (output or DLQ acknowledged), or releases it
@@ -404,7 +398,8 @@ mod tests {
         recent.insert("e-new", 1);
         assert!(!recent.contains("e-0", 1), "the oldest is evicted");
         assert!(recent.contains("e-2", 1) && recent.contains("e-new", 1));
-        assert_eq!(recent.order.len(), RECENT_EVENT_IDS);
-        assert_eq!(recent.epochs.len(), RECENT_EVENT_IDS);
+        let r = recent.0.as_ref().unwrap();
+        assert_eq!(r.order.len(), RECENT_EVENT_IDS);
+        assert_eq!(r.epochs.len(), RECENT_EVENT_IDS);
     }
 }
