@@ -349,9 +349,9 @@ fn scenario_table(o: &Outcome, md: &mut String) {
                     md,
                     "| RSS at rest before | peak RSS | RSS after idle reap | after reap ÷ before | \
                      peak live sessions | reap took | diagnostic: heap still allocated after \
-                     the reap |\n\
-                     |---:|---:|---:|---:|---:|---:|---:|\n\
-                     | {} MiB | {} MiB | {} MiB | {} | {} | {:.1} s | {} |\n",
+                     the reap | diagnostic: allocator metadata, at rest → after the reap |\n\
+                     |---:|---:|---:|---:|---:|---:|---:|---:|\n\
+                     | {} MiB | {} MiB | {} MiB | {} | {} | {:.1} s | {} | {} |\n",
                     mib(mem.baseline_rss),
                     mib(mem.peak_rss),
                     mib(mem.after_reap_rss),
@@ -363,6 +363,14 @@ fn scenario_table(o: &Outcome, md: &mut String) {
                     mem.reap_secs,
                     mem.live_heap
                         .map_or("—".to_string(), |b| format!("{:.1} MiB", b as f64 / 1048576.0)),
+                    match (mem.baseline_metadata, mem.after_reap_metadata) {
+                        (Some(rest), Some(after)) => format!(
+                            "{:.1} → {:.1} MiB",
+                            rest as f64 / 1048576.0,
+                            after as f64 / 1048576.0
+                        ),
+                        _ => "—".to_string(),
+                    },
                 );
             }
         }

@@ -85,6 +85,12 @@ pub struct Memory {
     /// keeps; `None` when the allocator does not report it.
     #[serde(default)]
     pub live_heap: Option<u64>,
+    /// Diagnostic: the allocator's own books (`memory::metadata_bytes`) at rest before the
+    /// load and after the reap; what they grew by is RSS no trim gives back.
+    #[serde(default)]
+    pub baseline_metadata: Option<u64>,
+    #[serde(default)]
+    pub after_reap_metadata: Option<u64>,
     pub peak_sessions: i64,
     /// From the last record to the last session reaped.
     pub reap_secs: f64,
@@ -118,6 +124,7 @@ pub async fn child(spec: RunSpec) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(spec.settings.session_idle_ms)).await;
         memory = Some(Memory {
             baseline_rss: rss().now,
+            baseline_metadata: sessionflow_worker::memory::metadata_bytes(),
             ..Default::default()
         });
     }
@@ -199,6 +206,7 @@ pub async fn child(spec: RunSpec) -> anyhow::Result<()> {
         m.peak_rss = peak.max(peak_rss.load(Ordering::Acquire));
         m.peak_sessions = peak_sessions.load(Ordering::Acquire);
         m.live_heap = sessionflow_worker::memory::allocated_bytes();
+        m.after_reap_metadata = sessionflow_worker::memory::metadata_bytes();
     }
     sampling.cancel();
 

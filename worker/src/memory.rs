@@ -121,11 +121,27 @@ pub fn allocated_bytes() -> Option<u64> {
     allocated()
 }
 
+/// Bytes the allocator spends on its own books and never gives back (jemalloc's extent
+/// descriptors and its radix tree of pages grow with the heap's peak and stay there): a
+/// diagnostic of what a burst leaves behind after every session is gone. `None` when the
+/// allocator does not say.
+pub fn metadata_bytes() -> Option<u64> {
+    #[cfg(feature = "jemalloc")]
+    return jemalloc_stat(c"stats.metadata");
+    #[cfg(not(feature = "jemalloc"))]
+    None
+}
+
 #[cfg(feature = "jemalloc")]
 fn allocated() -> Option<u64> {
-    // The statistics are a snapshot taken when the epoch is advanced.
+    jemalloc_stat(c"stats.allocated")
+}
+
+/// One of jemalloc's statistics, fresh: they are a snapshot taken when the epoch is advanced.
+#[cfg(feature = "jemalloc")]
+fn jemalloc_stat(name: &std::ffi::CStr) -> Option<u64> {
     mallctl::<u64>(c"epoch", Some(1))?;
-    mallctl::<usize>(c"stats.allocated", None).map(|bytes| bytes as u64)
+    mallctl::<usize>(name, None).map(|bytes| bytes as u64)
 }
 
 /// Reads jemalloc's control `name` as a `T`, writing `new` to it first when given. `None` when
@@ -209,6 +225,18 @@ mod tests {
             after + (48 << 20) < resident,
             "RSS {resident} -> {after}: the freed pages stayed mapped"
         );
+    }
+
+    #[cfg(feature = "jemalloc")]
+    #[test]
+    fn the_allocators_own_books_are_counted_and_grow_with_the_heap() {
+        let before = metadata_bytes().expect("jemalloc reports its metadata");
+        assert!(before > 0);
+        // Many small blocks: a slab (and its descriptor) per few hundred of them.
+        let blocks: Vec<Box<[u8; 48]>> = (0..200_000).map(|_| Box::new([1; 48])).collect();
+        let during = metadata_bytes().unwrap();
+        assert!(during > before, "{before} -> {during}");
+        drop(blocks);
     }
 
     #[test]
