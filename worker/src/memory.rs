@@ -10,6 +10,11 @@
 //! allocator"): P1 drains ~1.7 × faster on it than on glibc, mimalloc sits between the two, and
 //! jemalloc can give every arena's free pages back on request.
 //!
+//! jemalloc is linked unprefixed, so it is the C libraries' `malloc` too: librdkafka allocates
+//! every fetched message's op and parsed headers on its own threads and the consumer loop frees
+//! them, the same cross-thread traffic, which glibc served at ~1,200 instructions per record
+//! (BENCHMARKS.md, "The allocator"). One allocator also means one heap to count and to purge.
+//!
 //! A burst of new sessions (a million users arriving at once) grows the heap by a few KB per
 //! live session. When the burst is over and the idle sessions are reaped, the memory is free
 //! again, but the allocator keeps freed pages mapped, so the process's RSS stays at its peak
@@ -72,24 +77,24 @@ pub async fn trim_after_reaps(live_sessions: IntGauge, stop: CancellationToken) 
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
-/// jemalloc's options, read once at its start (`_RJEM_MALLOC_CONF` in the environment overrides
+/// jemalloc's options, read once at its start (`MALLOC_CONF` in the environment overrides
 /// them). `muzzy_decay_ms:0`: a purged page is returned at once (MADV_DONTNEED), not only marked
 /// free (MADV_FREE), which the kernel reclaims under pressure but keeps counting in the RSS;
 /// `background_thread`: dirty pages decay back to the kernel while the worker is idle too,
 /// not only when it next allocates.
 #[cfg(feature = "jemalloc")]
 #[allow(non_upper_case_globals)]
-#[unsafe(export_name = "_rjem_malloc_conf")]
+#[unsafe(export_name = "malloc_conf")]
 pub static malloc_conf: Option<&'static std::ffi::c_char> =
     // SAFETY: a pointer to the first byte of a static, NUL-terminated string.
     Some(unsafe { &*c"background_thread:true,muzzy_decay_ms:0".as_ptr() });
 
-/// Hands the free pages of both heaps back to the kernel: Rust's (jemalloc's arenas, with the
-/// feature) and the C libraries' (librdkafka allocates its buffers with the system malloc).
+/// Hands the heap's free pages back to the kernel: jemalloc's arenas with the feature (which
+/// serve the C libraries too), glibc's heap without it.
 fn trim() {
     #[cfg(feature = "jemalloc")]
     purge_jemalloc();
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[cfg(all(not(feature = "jemalloc"), target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim only hands free pages of the heap back to the kernel.
     unsafe {
         libc::malloc_trim(0);
@@ -224,6 +229,24 @@ mod tests {
         assert!(
             after + (48 << 20) < resident,
             "RSS {resident} -> {after}: the freed pages stayed mapped"
+        );
+    }
+
+    /// librdkafka's buffers come from the same heap as Rust's: `malloc` is jemalloc's.
+    #[cfg(feature = "jemalloc")]
+    #[test]
+    fn the_c_libraries_allocate_from_jemalloc_too() {
+        const SIZE: usize = 32 << 20;
+        let before = allocated_bytes().unwrap();
+        // SAFETY: a plain allocation, freed below.
+        let block = unsafe { libc::malloc(SIZE) };
+        assert!(!block.is_null());
+        let during = allocated_bytes().unwrap();
+        // SAFETY: allocated above by the same malloc.
+        unsafe { libc::free(block) };
+        assert!(
+            during >= before + SIZE as u64,
+            "{before} -> {during}: C's malloc is not jemalloc's"
         );
     }
 
