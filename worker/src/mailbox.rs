@@ -124,8 +124,10 @@ impl<T> Receiver<T> {
         let mut state = self.shared.state();
         match state.queue.pop_front() {
             Some(item) => {
-                // A burst leaves the deque's slots behind; an idle session keeps a few.
-                if state.queue.is_empty() && state.queue.capacity() > IDLE_SLOTS {
+                // A burst leaves the deque's slots behind; an idle session keeps a few. (Not
+                // after every short run of records: growing again would cost more than the
+                // slots.)
+                if state.queue.is_empty() && state.queue.capacity() > BURST_SLOTS {
                     state.queue.shrink_to(IDLE_SLOTS);
                 }
                 Some(Some(item))
@@ -148,8 +150,10 @@ impl<T> Drop for Receiver<T> {
     }
 }
 
-/// Slots an emptied queue keeps (a pointer each, for boxed records).
+/// Slots an emptied queue keeps (a pointer each, for boxed records)…
 const IDLE_SLOTS: usize = 4;
+/// …once it has grown beyond this many.
+const BURST_SLOTS: usize = 32;
 
 #[cfg(test)]
 mod tests {
