@@ -72,6 +72,15 @@ fn throughput(o: &Outcome, kind: SystemKind) -> Option<f64> {
         .and_then(|m| m.result.throughput())
 }
 
+/// Peak RSS of `kind`'s backlog run (its paced run when it has none).
+fn peak_rss(o: &Outcome, kind: SystemKind) -> Option<u64> {
+    let s = o.system(kind)?;
+    s.backlog
+        .as_ref()
+        .or(s.paced.as_ref())
+        .map(|m| m.result.peak_rss)
+}
+
 pub fn healthy_quantile(m: Option<&Measured>, q: f64) -> Option<f64> {
     let m = m?;
     m.result.healthy.quantile(q, m.censored_healthy())
@@ -127,6 +136,22 @@ pub fn verdicts(outcomes: &[Outcome]) -> Vec<Verdict> {
             "P1 throughput ≥ 0.8 × ceiling",
             fmt_ratio(r),
             r.map(|r| r >= 0.8),
+        ));
+        // Issue 13's form of the same target, and its memory bound.
+        let r = ratio(throughput(o, sf), throughput(o, SystemKind::Sequential));
+        out.push(verdict(
+            "P1 throughput ≥ 0.8 × per-partition sequential",
+            fmt_ratio(r),
+            r.map(|r| r >= 0.8),
+        ));
+        let (own, sequential) = (peak_rss(o, sf), peak_rss(o, SystemKind::Sequential));
+        out.push(verdict(
+            "P1 peak RSS ≤ per-partition sequential's",
+            match (own, sequential) {
+                (Some(a), Some(b)) => format!("{} vs {} MiB", mib(a), mib(b)),
+                _ => "—".into(),
+            },
+            own.zip(sequential).map(|(a, b)| a <= b),
         ));
     }
     if let Some(o) = find(ScenarioId::P2) {
@@ -597,6 +622,40 @@ mod tests {
         assert_eq!(fmt_ms(Some(12_345.0), 1.0), "12.3");
         assert_eq!(fmt_ms(Some(123_456.0), 1.0), "123");
         assert_eq!(fmt_ms(None, 18.0), "> 18 s");
+    }
+
+    /// P1 of a full run (`make bench`, 21:58 UTC, 1 December 2026; histograms left out) judged again, then with
+    /// sessionflow made faster and leaner than the sequential consumer: issue 13's two rows
+    /// follow the numbers both ways.
+    #[test]
+    fn p1_is_judged_against_the_sequential_consumer_in_rate_and_memory() {
+        let recorded: serde_json::Value =
+            serde_json::from_str(include_str!("testdata/p1-outcome.json")).unwrap();
+        let judge = |p1: &serde_json::Value| {
+            let outcome: Outcome = serde_json::from_value(p1.clone()).unwrap();
+            let v = verdicts(&[outcome]);
+            let met = |name: &str| v.iter().find(|v| v.target.starts_with(name)).unwrap().met;
+            (
+                met("P1 throughput ≥ 0.8 × per-partition sequential"),
+                met("P1 peak RSS"),
+            )
+        };
+        // 508,074 against 648,745 msg/s (0.78 ×); 152 against 146 MiB.
+        assert_eq!(judge(&recorded), (Some(false), Some(false)));
+        let mut better = recorded.clone();
+        let sessionflow = better["systems"]
+            .as_array_mut()
+            .unwrap()
+            .iter_mut()
+            .find(|s| s["system"] == "Sessionflow")
+            .unwrap();
+        let run = &mut sessionflow["backlog"]["result"];
+        let first = run["first_us"].as_u64().unwrap();
+        let last = run["last_us"].as_u64().unwrap();
+        // Done in 0.9 × the time: 0.87 × the sequential consumer.
+        run["last_us"] = (first + (last - first) * 9 / 10).into();
+        run["peak_rss"] = (140u64 << 20).into();
+        assert_eq!(judge(&better), (Some(true), Some(true)));
     }
 
     #[test]
