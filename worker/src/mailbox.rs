@@ -145,8 +145,14 @@ impl<T> Receiver<T> {
 
 impl<T> Drop for Receiver<T> {
     fn drop(&mut self) {
-        // What is still queued is dropped with the queue, when the last end goes.
-        self.shared.state().receiver = false;
+        // Nothing will take what is still queued: drop it now (outside the lock), not when the
+        // sender goes too.
+        let left = {
+            let mut state = self.shared.state();
+            state.receiver = false;
+            std::mem::take(&mut state.queue)
+        };
+        drop(left);
     }
 }
 
@@ -194,6 +200,21 @@ mod tests {
         drop(rx);
         assert_eq!(tx.send(7), Err(7));
         assert_eq!(tx.unfinished(), 0);
+    }
+
+    #[test]
+    fn what_is_queued_when_the_receiver_goes_is_dropped_with_it() {
+        let record = Arc::new(());
+        let (tx, rx) = mailbox();
+        tx.send(record.clone()).unwrap();
+        tx.send(record.clone()).unwrap();
+        assert_eq!(Arc::strong_count(&record), 3);
+        drop(rx);
+        assert_eq!(
+            Arc::strong_count(&record),
+            1,
+            "still queued for a receiver that is gone"
+        );
     }
 
     #[tokio::test]
