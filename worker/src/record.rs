@@ -208,8 +208,11 @@ impl InputRecord {
         for (name, value) in &first[..count.min(HEADERS_AT_ONCE)] {
             headers.push((header::name(name), value.map(|v| buffer.copy(v))));
         }
-        for h in raw.iter().flat_map(|hs| hs.iter()).skip(HEADERS_AT_ONCE) {
-            headers.push((header::name(h.key), h.value.map(|v| buffer.copy(v))));
+        // Past the first few, by index: `skip` would read (and convert) the first few again.
+        if let Some(hs) = raw.filter(|_| count > HEADERS_AT_ONCE) {
+            for h in (HEADERS_AT_ONCE..count).filter_map(|i| hs.try_get(i)) {
+                headers.push((header::name(h.key), h.value.map(|v| buffer.copy(v))));
+            }
         }
         let session = match source {
             SessionSource::Key => key.clone(),
