@@ -42,10 +42,8 @@ impl SeqWatch {
             // A new highest number (the usual case): the window slides up to it.
             higher => {
                 let rise = higher.map_or(WINDOW, |max| seq - max);
-                let kept = u32::try_from(rise)
-                    .ok()
-                    .and_then(|r| self.seen.checked_shl(r));
-                self.seen = kept.unwrap_or(0) | 1;
+                let kept = if rise < WINDOW { self.seen << rise } else { 0 };
+                self.seen = kept | 1;
                 self.max = Some(seq);
                 return false;
             }
