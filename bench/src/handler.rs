@@ -3,7 +3,7 @@
 //! Comparing designs means giving them identical work, so there is exactly one handler, and the
 //! systems differ only in how they get records to it and retry it. Each call checks the
 //! session's order (before any work, so an overtaking record is caught where it happens), does
-//! the scenario's simulated I/O (an async sleep), decides the scenario's faults, and on success
+//! the scenario's simulated I/O (a wait on an exact clock, see `simulated_io`), decides the scenario's faults, and on success
 //! records the record's latency: from the producer's stamp to the end of the successful call.
 //! Faults are deterministic: a transient fault is a hash of (seed, session, seq, attempt), so
 //! every system sees the same failing attempts; the isolation scenario's failing session fails
@@ -22,7 +22,7 @@ use crate::workload::RecordView;
 /// What the handler does, per scenario.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct HandlerSpec {
-    /// Simulated I/O per attempt (async sleep), in ms.
+    /// Simulated I/O per attempt (a wait that ends when due, see `simulated_io`), in ms.
     pub io_ms: u64,
     /// Fraction of attempts that fail transiently.
     pub transient_rate: f64,
@@ -137,7 +137,7 @@ impl Core {
         }
         self.begin(v, attempt);
         if self.spec.io_ms > 0 {
-            tokio::time::sleep(Duration::from_millis(self.spec.io_ms)).await;
+            crate::simulated_io::wait(Duration::from_millis(self.spec.io_ms)).await;
         }
         if self.fails(v, attempt) {
             return Err(format!("injected transient fault, attempt {attempt}"));

@@ -14,10 +14,10 @@ mod measurement;
 mod report;
 mod run;
 mod scenarios;
+mod simulated_io;
 mod sweep_report;
 mod sweeps;
 mod systems;
-mod timer_ceiling;
 mod workload;
 
 use std::path::PathBuf;

@@ -401,13 +401,13 @@ fn scenario_table(o: &Outcome, md: &mut String) {
             }
         }
     }
-    if let Some(rate) = o.timer_ceiling {
+    if let Some(rate) = o.io_ceiling {
         let io = o.scenario.handler.io_ms;
         let _ = writeln!(
             md,
-            "Tokio's timer ceiling for this handler: {} tasks doing nothing but the {io} ms sleep \
-             in a loop reach {} msg/s on this machine (one sleep lasts {:.2} ms: the timer rounds \
-             up to whole milliseconds); sessionflow's backlog rate is {} of it.\n",
+            "The simulated I/O's ceiling: {} tasks doing nothing but the handler's {io} ms wait \
+             in a loop reach {} msg/s on this machine (one wait lasts {:.2} ms with the clock's \
+             own cost); sessionflow's backlog rate is {} of it.\n",
             fmt_int(o.scenario.sessions as f64),
             fmt_int(rate),
             o.scenario.sessions as f64 / rate * 1e3,

@@ -185,9 +185,10 @@ pub fn all(scale: f64) -> Vec<Scenario> {
         Scenario {
             id: ScenarioId::P2,
             title: "5 ms simulated I/O, 1,000 sessions".into(),
-            what: "A handler that waits 5 ms (async sleep) per record, 1,000 sessions receiving \
-                   records in turn (round-robin), 8 partitions. Ideal: 1,000 sessions ÷ 5 ms = \
-                   200,000 msg/s, capped by the ceiling."
+            what: "A handler that waits 5 ms per record (simulated I/O: a timer the runtime's \
+                   reactor reports, as it would a reply), 1,000 sessions receiving records in \
+                   turn (round-robin), 8 partitions. Ideal: 1,000 sessions ÷ 5 ms = 200,000 \
+                   msg/s, capped by the ceiling."
                 .into(),
             partitions: 8,
             sessions: 1_000,
@@ -407,10 +408,10 @@ pub struct Outcome {
     pub systems: Vec<SystemOutcome>,
     /// How fast the backlog was produced.
     pub backlog_produce_rate: Option<f64>,
-    /// For a handler that waits: what tasks doing nothing but its wait reach on this runtime,
-    /// one per session (see `timer_ceiling`).
-    #[serde(default)]
-    pub timer_ceiling: Option<f64>,
+    /// For a handler that waits: what tasks doing nothing but its wait reach on this machine,
+    /// one per session (see `simulated_io::ceiling`).
+    #[serde(default, alias = "timer_ceiling")]
+    pub io_ceiling: Option<f64>,
     pub wall_s: f64,
 }
 
@@ -442,7 +443,7 @@ pub async fn run(opts: &Options, sc: &Scenario) -> anyhow::Result<Outcome> {
         })
         .collect();
     let mut backlog_produce_rate = None;
-    let mut timer_ceiling = None;
+    let mut io_ceiling = None;
     let result = async {
         if let Some(b) = &sc.backlog {
             let topic = format!("bench-{id}-backlog-{tag}");
@@ -476,17 +477,17 @@ pub async fn run(opts: &Options, sc: &Scenario) -> anyhow::Result<Outcome> {
             let _ = topics::delete(&opts.brokers, &[&topic]).await;
             if sc.handler.io_ms > 0 {
                 let sleeps = (b.records / sc.sessions.max(1)).max(1);
-                let rate = crate::timer_ceiling::rate(
+                let rate = crate::simulated_io::ceiling(
                     sc.sessions,
                     sleeps,
                     Duration::from_millis(sc.handler.io_ms),
                 )
                 .await;
                 eprintln!(
-                    "[{id}] timer ceiling: {} tasks sleeping {} ms {sleeps} times: {rate:.0}/s",
+                    "[{id}] I/O ceiling: {} tasks waiting {} ms {sleeps} times: {rate:.0}/s",
                     sc.sessions, sc.handler.io_ms
                 );
-                timer_ceiling = Some(rate);
+                io_ceiling = Some(rate);
             }
         }
         // Each system's paced runs back to back (with the fault, then without), so the
@@ -523,7 +524,7 @@ pub async fn run(opts: &Options, sc: &Scenario) -> anyhow::Result<Outcome> {
         scenario: sc.clone(),
         systems,
         backlog_produce_rate,
-        timer_ceiling,
+        io_ceiling,
         wall_s: started.elapsed().as_secs_f64(),
     })
 }
