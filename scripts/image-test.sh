@@ -194,7 +194,11 @@ scenario() { # mode drained|default handler-yaml [podman args]
     "$WORKER_IMAGE" "${RENDERED_ARGS[@]}" >/dev/null
   wait_for 60 "/readyz of the $mode worker" ready
   [[ $(http_code "http://127.0.0.1:$METRICS_PORT/healthz") == 200 ]] || fail "/healthz"
-  curl -sf "http://127.0.0.1:$METRICS_PORT/metrics" | grep -q '^sessionflow_records_in_total' ||
+  # Read whole, then searched: piped into `grep -q`, curl could be cut off when grep had its
+  # line and exit 23, which pipefail made this check's failure (it did, in a CI run).
+  local metrics
+  metrics=$(curl -sf "http://127.0.0.1:$METRICS_PORT/metrics") || fail "/metrics did not answer"
+  grep -q '^sessionflow_records_in_total' <<<"$metrics" ||
     fail "/metrics has no sessionflow_records_in_total"
   echo "  /healthz 200, /readyz 200, /metrics answers (from outside the container)"
   # SIGTERM once a quarter of the records are out (mid-stream unless the stage outruns the poll).
