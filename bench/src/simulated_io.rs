@@ -13,11 +13,13 @@
 //! with the runtime's reactor like a socket; when it fires, a relay task on the runtime ends
 //! every wait that is due and arms the fd for the next. So a wait ends on the same path, with
 //! the same delays, as a reply: the kernel's timer, epoll, and a worker getting to its events
-//! (at once when idle, after up to 61 tasks when busy), plus a timer slack of 50 µs, as the
-//! kernel gives a sleeping thread, so that waits due together end together. A first form woke the waits from a
+//! (at once when idle, after up to 61 tasks when busy). A wait may end up to 50 µs after its
+//! deadline, the kernel's default timer slack for a sleeping thread, so that waits due together
+//! end together: without it the fd fired for nearly every wait, and that churn took the CPU the
+//! systems needed (BENCHMARKS.md, *The simulated I/O*). A first form woke the waits from a
 //! thread of its own: that thread had to be scheduled on cores the systems kept busy, and its
 //! wakes went through tokio's queue for outside wakes, which a busy worker reads about every
-//! 200 µs — ~0.3 ms late a wait, and more under load.
+//! 200 µs; its waits resumed 0.2–1.7 ms late.
 //!
 //! Each runtime that waits has its own heap, timer and relay (a bench process has one runtime;
 //! a test process may run several at once). The clock's own CPU is a lock, a heap push and an
