@@ -3,8 +3,9 @@
 //! Comparing designs means giving them identical work, so there is exactly one handler, and the
 //! systems differ only in how they get records to it and retry it. Each call checks the
 //! session's order (before any work, so an overtaking record is caught where it happens), does
-//! the scenario's simulated I/O (a wait on an exact clock, see `simulated_io`), decides the scenario's faults, and on success
-//! records the record's latency: from the producer's stamp to the end of the successful call.
+//! the scenario's simulated I/O (a wait the runtime's reactor ends, see `simulated_io`), decides
+//! the scenario's faults, and on success records the record's latency: from the producer's
+//! stamp to the end of the successful call.
 //! Faults are deterministic: a transient fault is a hash of (seed, session, seq, attempt), so
 //! every system sees the same failing attempts; the isolation scenario's failing session fails
 //! every attempt during a wall-clock window that starts when the load starts.

@@ -476,15 +476,15 @@ pub async fn run(opts: &Options, sc: &Scenario) -> anyhow::Result<Outcome> {
             }
             let _ = topics::delete(&opts.brokers, &[&topic]).await;
             if sc.handler.io_ms > 0 {
-                let sleeps = (b.records / sc.sessions.max(1)).max(1);
+                let waits = (b.records / sc.sessions.max(1)).max(1);
                 let rate = crate::simulated_io::ceiling(
                     sc.sessions,
-                    sleeps,
+                    waits,
                     Duration::from_millis(sc.handler.io_ms),
                 )
                 .await;
                 eprintln!(
-                    "[{id}] I/O ceiling: {} tasks waiting {} ms {sleeps} times: {rate:.0}/s",
+                    "[{id}] I/O ceiling: {} tasks waiting {} ms {waits} times: {rate:.0}/s",
                     sc.sessions, sc.handler.io_ms
                 );
                 io_ceiling = Some(rate);

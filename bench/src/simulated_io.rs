@@ -111,16 +111,16 @@ impl Future for Wait {
 /// P2), and the reactor's churn took CPU from the systems; with it a fire ends ~10 waits.
 const SLACK: Duration = Duration::from_micros(50);
 
-/// A pending wait in the heap: earliest deadline first, ties in arrival order.
+/// A pending wait in the heap, earliest deadline first (waits due together end in one batch,
+/// so ties need no order).
 struct Entry {
     deadline: Instant,
-    order: u64,
     slot: Arc<Slot>,
 }
 
 impl PartialEq for Entry {
     fn eq(&self, other: &Self) -> bool {
-        (self.deadline, self.order) == (other.deadline, other.order)
+        self.deadline == other.deadline
     }
 }
 
@@ -134,7 +134,7 @@ impl PartialOrd for Entry {
 
 impl Ord for Entry {
     fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        (self.deadline, self.order).cmp(&(other.deadline, other.order))
+        self.deadline.cmp(&other.deadline)
     }
 }
 
@@ -142,7 +142,6 @@ impl Ord for Entry {
 struct Clock {
     runtime: runtime::Id,
     heap: BinaryHeap<Reverse<Entry>>,
-    added: u64,
     /// The relay's timerfd (the relay removes the clock, under the lock, before closing it).
     timer: RawFd,
     /// The deadline the timer is armed for.
@@ -170,7 +169,6 @@ fn add(deadline: Instant, slot: Arc<Slot>) {
             clocks.push(Clock {
                 runtime: id,
                 heap: BinaryHeap::new(),
-                added: 0,
                 timer: fd.as_raw_fd(),
                 armed: None,
             });
@@ -179,13 +177,7 @@ fn add(deadline: Instant, slot: Arc<Slot>) {
         }
     };
     let clock = &mut clocks[at];
-    let order = clock.added;
-    clock.added += 1;
-    clock.heap.push(Reverse(Entry {
-        deadline,
-        order,
-        slot,
-    }));
+    clock.heap.push(Reverse(Entry { deadline, slot }));
     clock.arm();
 }
 
