@@ -9,14 +9,28 @@
 //! failed) — and they run here, on a thread of their own, so the consumer loop never waits for
 //! a round trip, nor for a coordinator that is away. One commit is outstanding at a time; its
 //! answer comes back over a channel the loop drains every turn.
+//!
+//! The thread is also the worker's ear on the coordinator (see `membership`): an answer that
+//! shows the coordinator knows this member is recorded on the fence's clock, and when the
+//! thread has had nothing to send for a while, or its commits are being refused, it asks the
+//! coordinator for a committed offset (read-only) to hear from it.
 
-use std::sync::mpsc;
+use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext};
-use rdkafka::error::KafkaResult;
+use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
 use rdkafka::TopicPartitionList;
+
+use crate::membership::Fence;
+
+/// How often an idle commit thread looks whether the coordinator needs asking.
+const PROBE_CHECK: Duration = Duration::from_millis(200);
+/// Longest wait for the answer to a probe (at most a third of the session timeout): a stop
+/// waits for the thread, and the next probe asks again.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The broker's answer to one commit.
 pub struct Answer {
@@ -35,20 +49,40 @@ pub struct Committer {
 }
 
 impl Committer {
+    /// The thread commits for `consumer`, whose input is `topic`, and keeps `fence`'s clock.
     pub fn spawn<C: ConsumerContext + 'static>(
         consumer: Arc<BaseConsumer<C>>,
-        name: &str,
+        topic: &str,
+        fence: Arc<Fence>,
     ) -> std::io::Result<Self> {
         let (requests, incoming) = mpsc::channel::<TopicPartitionList>();
         let (reply, answers) = mpsc::channel();
+        let mut probe = TopicPartitionList::new();
+        probe.add_partition(topic, 0);
         let thread = std::thread::Builder::new()
-            .name(format!("commit-{name}"))
-            .spawn(move || {
-                for offsets in incoming {
-                    let result = consumer.commit(&offsets, CommitMode::Sync);
-                    if reply.send(Answer { offsets, result }).is_err() {
-                        return;
+            .name(format!("commit-{topic}"))
+            .spawn(move || loop {
+                let offsets = match incoming.recv_timeout(PROBE_CHECK) {
+                    Ok(offsets) => offsets,
+                    Err(RecvTimeoutError::Timeout) => {
+                        if fence.wants_probe(Instant::now()) {
+                            ask_coordinator(&consumer, &probe, &fence);
+                        }
+                        continue;
                     }
+                    Err(RecvTimeoutError::Disconnected) => return,
+                };
+                let sent = Instant::now();
+                let result = consumer.commit(&offsets, CommitMode::Sync);
+                if answered_as_member(&result) {
+                    fence.clock.heard(sent);
+                } else if fence.wants_probe(Instant::now()) {
+                    // Commits refused (a coordinator that moved, a commit outage) are not
+                    // silence: whether the coordinator answers at all is asked separately.
+                    ask_coordinator(&consumer, &probe, &fence);
+                }
+                if reply.send(Answer { offsets, result }).is_err() {
+                    return;
                 }
             })?;
         Ok(Self {
@@ -112,8 +146,69 @@ impl Committer {
     }
 }
 
+/// Whether a commit's answer came from a coordinator that knows this member: accepted, or
+/// refused only because a rebalance is under way or the member's generation has moved on (a
+/// cooperative rejoin). Timeouts, transport errors and "not the coordinator" say nothing.
+fn answered_as_member(result: &KafkaResult<()>) -> bool {
+    match result {
+        Ok(()) => true,
+        Err(KafkaError::ConsumerCommit(code)) => matches!(
+            code,
+            RDKafkaErrorCode::RebalanceInProgress | RDKafkaErrorCode::IllegalGeneration
+        ),
+        Err(_) => false,
+    }
+}
+
+/// Asks the coordinator for a committed offset (read-only) and records its answer.
+fn ask_coordinator<C: ConsumerContext>(
+    consumer: &BaseConsumer<C>,
+    probe: &TopicPartitionList,
+    fence: &Fence,
+) {
+    let sent = Instant::now();
+    if consumer
+        .committed_offsets(probe.clone(), fence.probe_after.min(PROBE_TIMEOUT))
+        .is_ok()
+    {
+        fence.clock.heard(sent);
+    }
+}
+
 impl Drop for Committer {
     fn drop(&mut self) {
         self.finish();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(code: RDKafkaErrorCode) -> KafkaResult<()> {
+        Err(KafkaError::ConsumerCommit(code))
+    }
+
+    #[test]
+    fn only_answers_of_a_coordinator_that_knows_the_member_are_its_word() {
+        assert!(answered_as_member(&Ok(())));
+        assert!(answered_as_member(&refused(
+            RDKafkaErrorCode::RebalanceInProgress
+        )));
+        assert!(answered_as_member(&refused(
+            RDKafkaErrorCode::IllegalGeneration
+        )));
+        for silent in [
+            RDKafkaErrorCode::RequestTimedOut,
+            RDKafkaErrorCode::OperationTimedOut,
+            RDKafkaErrorCode::BrokerTransportFailure,
+            RDKafkaErrorCode::CoordinatorNotAvailable,
+            RDKafkaErrorCode::NotCoordinator,
+            RDKafkaErrorCode::UnknownMemberId,
+            RDKafkaErrorCode::WaitingForCoordinator,
+        ] {
+            assert!(!answered_as_member(&refused(silent)), "{silent:?}");
+        }
+        assert!(!answered_as_member(&Err(KafkaError::Canceled)));
     }
 }

@@ -605,6 +605,14 @@ impl StageConfig {
             .unwrap_or(DEFAULT_MAX_POLL_INTERVAL_MS)
     }
 
+    /// `session.timeout.ms` of the group (the kafka map's, or librdkafka's default).
+    pub fn session_timeout_ms(&self) -> u64 {
+        self.kafka
+            .get("session.timeout.ms")
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(DEFAULT_SESSION_TIMEOUT_MS)
+    }
+
     /// How long a revocation waits, after its drain, for results already on their way: what
     /// is left of the poll budget once the drain and the commit are counted (at least the
     /// drain timeout; `validate` makes sure it fits).

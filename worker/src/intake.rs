@@ -24,6 +24,10 @@
 //! answers, `max.poll.interval.ms`), commits progress as it goes, keeps its write fence
 //! *before* it leaves the group (results on their way land or are purged first, so none lands
 //! after the next owner's), and reports a final commit that failed as a failure of the run.
+//!
+//! Every turn, and every check of a drain, also judges the membership fence (see
+//! `membership`): when the group coordinator has been silent too long, writes stop and the
+//! producer's queued ones are purged, until it answers again.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -47,6 +51,7 @@ use crate::config::{RebalanceStrategy, SessionSource};
 use crate::dlq::DlqReason;
 use crate::health::Health;
 use crate::lag::Assigned;
+use crate::membership::{Fence, Verdict};
 use crate::metrics::Metrics;
 use crate::offset_map::{self, DoneAbove};
 use crate::offsets::{OffsetTracker, Partition};
@@ -101,6 +106,8 @@ pub struct IntakeSettings {
     pub shutdown_drain_queued: bool,
     /// What librdkafka may prefetch (the consumer was created with its share per partition).
     pub prefetch: Prefetch,
+    /// The group's `session.timeout.ms`: the membership fence's measure.
+    pub session_timeout: Duration,
 }
 
 /// The consumer settings the guarantees rely on, then the user's extra properties.
@@ -365,11 +372,37 @@ pub struct IntakeContext {
     closing: AtomicBool,
     /// Cancelled on a fatal client error: the worker stops and exits non-zero.
     fatal: CancellationToken,
+    /// The membership fence, and the producer it purges when it closes.
+    fence: Arc<Fence>,
+    producer: StageProducer,
 }
 
 impl IntakeContext {
     fn book(&self) -> MutexGuard<'_, Book> {
         self.book.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Closes the write gate when the group coordinator has been silent too long (and takes
+    /// back what the producer still has queued), opens it when it has answered again.
+    fn judge_membership(&self) {
+        match self.fence.judge(Instant::now()) {
+            Verdict::Same => {}
+            Verdict::Doubted(silence) => {
+                self.producer.purge();
+                self.metrics.membership_doubts.inc();
+                self.metrics.write_gate_closed.set(1);
+                tracing::warn!(
+                    silence_ms = silence.as_millis() as u64,
+                    "no answer from the group coordinator for two thirds of the session \
+                     timeout: writes stop (queued ones are taken back) until it answers, since \
+                     it may give this worker's partitions to another member"
+                );
+            }
+            Verdict::Restored => {
+                self.metrics.write_gate_closed.set(0);
+                tracing::info!("the group coordinator answers again: writes resume");
+            }
+        }
     }
 
     fn on_assign(&self, consumer: &BaseConsumer<IntakeContext>, tpl: &TopicPartitionList) {
@@ -596,6 +629,7 @@ fn wait_until<'a>(
 ) -> MutexGuard<'a, Book> {
     loop {
         ctx.health.beat();
+        ctx.judge_membership();
         book.apply_ready(&ctx.metrics);
         if done(&book) || Instant::now() >= deadline {
             return book;
@@ -702,6 +736,11 @@ impl IntakeLoop {
         runtime: tokio::runtime::Handle,
         tokens: IntakeTokens,
     ) -> KafkaResult<Self> {
+        let fence = Arc::new(Fence::new(
+            settings.session_timeout,
+            producer.gate().clone(),
+            Instant::now(),
+        ));
         let context = IntakeContext {
             book: Mutex::new(Book {
                 topic: settings.input.as_str().into(),
@@ -717,12 +756,15 @@ impl IntakeLoop {
             health,
             closing: AtomicBool::new(false),
             fatal: tokens.fatal.clone(),
+            fence: fence.clone(),
+            producer: producer.clone(),
         };
         let consumer: Arc<BaseConsumer<IntakeContext>> =
             Arc::new(config.create_with_context(context)?);
         let router = SessionRouter::new(dispatchers.len());
-        let committer = Committer::spawn(consumer.clone(), &consumer.context().settings.input)
-            .map_err(|e| KafkaError::ClientCreation(format!("commit thread: {e}")))?;
+        let committer =
+            Committer::spawn(consumer.clone(), &consumer.context().settings.input, fence)
+                .map_err(|e| KafkaError::ClientCreation(format!("commit thread: {e}")))?;
         Ok(Self {
             committer: RefCell::new(committer),
             consumer,
@@ -757,6 +799,7 @@ impl IntakeLoop {
         let mut last_prefetch_read = Instant::now();
         while !self.stopping() {
             self.ctx().health.beat();
+            self.ctx().judge_membership();
             // Events (rebalances run in here) and records not in a partition queue yet; after a
             // queue is split off, the main queue once more: its records of that partition are
             // older than any in the new queue.
@@ -1154,6 +1197,7 @@ impl IntakeLoop {
         let mut last_commit = Instant::now();
         loop {
             ctx.health.beat();
+            ctx.judge_membership();
             {
                 let mut book = ctx.book();
                 book.apply_ready(&ctx.metrics);

@@ -21,6 +21,7 @@ pub mod intake;
 pub mod lag;
 pub mod loadgen;
 pub mod mailbox;
+pub mod membership;
 pub mod memory;
 pub mod metrics;
 pub mod offset_map;

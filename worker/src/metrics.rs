@@ -45,6 +45,8 @@ pub struct Metrics {
     pub commit_failing_partitions: IntGauge,
     pub offset_maps_ignored: IntCounter,
     pub lost_partitions: IntCounter,
+    pub membership_doubts: IntCounter,
+    pub write_gate_closed: IntGauge,
     pub final_commit_failures: IntCounter,
     pub fatal_errors: IntCounter,
 }
@@ -134,6 +136,15 @@ impl Metrics {
             "lost_partitions_total",
             "Partitions lost without a revocation (session timeout, fenced member): dropped \
              without a drain or a commit.",
+        );
+        let membership_doubts = counter(
+            "membership_doubts_total",
+            "Times the group coordinator went unheard for two thirds of the session timeout: \
+             writes stopped (and queued ones were purged) until it answered again.",
+        );
+        let write_gate_closed = gauge(
+            "write_gate_closed",
+            "1 while writes wait for the group coordinator to answer (membership fence).",
         );
         let final_commit_failures = counter(
             "final_commit_failures_total",
@@ -245,6 +256,8 @@ impl Metrics {
             commit_failing_partitions,
             offset_maps_ignored,
             lost_partitions,
+            membership_doubts,
+            write_gate_closed,
             final_commit_failures,
             fatal_errors,
         }

@@ -26,6 +26,7 @@ use tokio_util::sync::CancellationToken;
 use crate::completion::{Completion, CompletionSender};
 use crate::dlq::{dlq_headers, DlqReason};
 use crate::health::Health;
+use crate::membership::WriteGate;
 use crate::metrics::Metrics;
 use crate::record::{header, InputRecord, WritePermit};
 use crate::telemetry;
@@ -47,6 +48,8 @@ struct Inner {
     completions: CompletionSender,
     metrics: Metrics,
     events: ProducerEvents,
+    /// Closed while the group coordinator may have given up on this worker (`membership`).
+    gate: Arc<WriteGate>,
 }
 
 /// What a fatal producer error sets off: the worker goes not-ready and stops.
@@ -145,6 +148,7 @@ impl StageProducer {
                 completions,
                 metrics,
                 events,
+                gate: Arc::default(),
             }),
         })
     }
@@ -160,6 +164,11 @@ impl StageProducer {
             }
         }
         result
+    }
+
+    /// The gate every write passes first (see `membership`).
+    pub fn gate(&self) -> &Arc<WriteGate> {
+        &self.inner.gate
     }
 
     /// Whether this stage writes outputs at all (a terminal stage does not).
@@ -243,7 +252,15 @@ impl StageProducer {
         }
         loop {
             match self.inner.producer.send_result(record) {
-                Ok(ack) => return Ok(ack),
+                Ok(ack) => {
+                    // A write that passed the membership fence as it closed may have been
+                    // queued after the fence's purge: take it back too (nothing else may be
+                    // queued while the gate is closed, so this purges only such writes).
+                    if !self.inner.gate.is_open() {
+                        self.purge();
+                    }
+                    return Ok(ack);
+                }
                 Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
                     record = r;
                     tokio::time::sleep(QUEUE_FULL_BACKOFF).await;
@@ -268,7 +285,8 @@ impl StageProducer {
     /// Gives up every write not yet acknowledged: librdkafka drops what it has queued or is
     /// retrying (it never sends it) and answers each delivery as purged at once. A request
     /// already on the wire may still be stored by the broker. For a stop, when nothing of
-    /// this worker may land once it has left the group.
+    /// this worker may land once it has left the group, and when the membership fence
+    /// closes.
     pub fn purge(&self) {
         self.inner
             .producer

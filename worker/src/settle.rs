@@ -12,7 +12,9 @@
 //!
 //! Every write happens under a [`WritePermit`] of the record's lease, so a record whose
 //! partition was revoked while its handler ran is released instead of written: the new owner
-//! redoes it, and the old owner never writes after it.
+//! redoes it, and the old owner never writes after it. Before the permit, the write passes the
+//! membership fence (see `membership`): while the group coordinator is silent it waits, and a
+//! write the fence purged is written again once it opens.
 //!
 //! A dead letter the broker refuses is retried with backoff for as long as it takes (dropping
 //! it would lose the record), counted, logged with the record, reported by the stuck timer and
@@ -90,7 +92,10 @@ impl Settler<'_> {
             counted: false,
         };
         loop {
-            let Some(permit) = record.lease.begin_write() else {
+            // The membership fence first: while the coordinator is silent, wait (a revoked
+            // partition or the shutdown's abort ends the wait: released).
+            let passed = self.producer.gate().is_open() || self.wait_at_gate(record).await;
+            let Some(permit) = record.lease.begin_write().filter(|_| passed) else {
                 self.producer.release(record);
                 return Settled::Released;
             };
@@ -101,6 +106,9 @@ impl Settler<'_> {
                     match self.producer.write_output(record, payload, &permit).await {
                         Ok(()) => Ok(()),
                         Err(e) if e.is_purged() => {
+                            if self.purged_by_the_fence(record) {
+                                continue;
+                            }
                             self.producer.release(record);
                             return Settled::Released;
                         }
@@ -142,6 +150,9 @@ impl Settler<'_> {
                     return Settled::Done;
                 }
                 Err(e) if e.is_purged() => {
+                    if self.purged_by_the_fence(record) {
+                        continue;
+                    }
                     self.producer.release(record);
                     return Settled::Released;
                 }
@@ -175,6 +186,24 @@ impl Settler<'_> {
                 }
             }
         }
+    }
+}
+
+impl Settler<'_> {
+    /// Waits at the closed membership fence: true once it opens, false when the record's
+    /// partition is revoked or the shutdown aborts meanwhile.
+    async fn wait_at_gate(&self, record: &InputRecord) -> bool {
+        tokio::select! {
+            passed = self.producer.gate().pass(&record.lease) => passed,
+            _ = self.abort.cancelled() => false,
+        }
+    }
+
+    /// A purged write whose partition is still this worker's and whose stop has not come was
+    /// taken back by the membership fence: it is written again once the gate opens. (A stop
+    /// purges only after revoking every lease.)
+    fn purged_by_the_fence(&self, record: &InputRecord) -> bool {
+        !record.lease.is_revoked() && !self.abort.is_cancelled()
     }
 }
 

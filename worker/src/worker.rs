@@ -175,6 +175,7 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         shutdown_fence_timeout: Duration::from_millis(config.shutdown_fence_ms()),
         shutdown_drain_queued: config.shutdown_drain_queued,
         prefetch: Prefetch::new(config.prefetch_kbytes, config.prefetch_records, counted),
+        session_timeout: Duration::from_millis(config.session_timeout_ms()),
     };
     let assigned = Assigned::default();
     let lag_thread = LagReporter {

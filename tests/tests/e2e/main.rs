@@ -11,6 +11,7 @@ mod handover;
 mod http_handler;
 mod isolation;
 mod logs;
+mod membership;
 mod offset_map;
 mod order;
 mod otlp;

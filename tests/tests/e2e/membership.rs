@@ -1,0 +1,156 @@
+//! The membership fence (RELIABILITY.md, footnote 9), against librdkafka's mock cluster.
+//!
+//! A member whose group coordinator stops answering must stop writing before the coordinator
+//! could give its partitions to another member, and go on once it answers again. In the field
+//! this is a connection to the coordinator that hangs while the member is in a rejoin, where
+//! librdkafka itself never times the session out. That state cannot be reached on purpose in
+//! a test, so the test silences exactly what the worker listens to — the coordinator's answers
+//! to offset commits and offset fetches (each one answered "request timed out", which
+//! librdkafka retries until the silence ends, as it would a request on a hung connection) —
+//! and leaves librdkafka's heartbeats alone: librdkafka keeps the partitions assigned all
+//! along, and only the fence can stop the writes. (An error that says the coordinator is gone
+//! would not do: librdkafka then looks for a new one, stops heartbeating meanwhile, and times
+//! the session out itself.) Every answer is also slowed down (2 s) during the
+//! silence, so that writes are on their way when the fence closes: it must take them back and
+//! write them again once the coordinator answers (a write given up instead would never be
+//! committed, and the test would time out).
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::mocking::MockCoordinator;
+use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+use sessionflow_tests::{
+    end_offsets_on, wait_committed_to_end_on, wait_until, MockKafka, WorkerProcess,
+};
+use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
+
+const PARTITIONS: i32 = 4;
+const RECORDS: u64 = 12_000;
+/// How long the coordinator stays silent: twice the workers' 6 s session timeout.
+const SILENCE: Duration = Duration::from_secs(12);
+/// How late the output broker's answers come during the silence.
+const SLOW: Duration = Duration::from_secs(2);
+/// The broker of the input and the group.
+const INPUT_BROKER: i32 = 1;
+/// The broker of the output and the DLQ.
+const OUTPUT_BROKER: i32 = 2;
+/// After how much silence no write may start: the fence's 4 s (⅔ of the session timeout),
+/// plus a second for the last commit before the silence and the loop's turn.
+const FENCED_AFTER: Duration = Duration::from_secs(5);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_the_coordinator_stops_answering_stops_writing_until_it_answers_again() {
+    let mock = MockKafka::new("fence", 2, PARTITIONS);
+    let brokers = mock.brokers.clone();
+    let topics = &mock.topics;
+    for p in 0..PARTITIONS {
+        let cluster = &mock.cluster;
+        cluster
+            .partition_leader(&topics.input, p, Some(INPUT_BROKER))
+            .unwrap();
+        cluster
+            .partition_leader(&topics.output, p, Some(OUTPUT_BROKER))
+            .unwrap();
+    }
+    mock.cluster
+        .partition_leader(&topics.dlq, 0, Some(OUTPUT_BROKER))
+        .unwrap();
+    mock.cluster
+        .coordinator(MockCoordinator::Group(topics.group.clone()), INPUT_BROKER)
+        .unwrap();
+    let opts = LoadgenOptions {
+        choice: SessionChoice::RoundRobin,
+        rate: Some(300.0),
+        ..LoadgenOptions::new(&brokers, &mock.topics.input, RECORDS, 200)
+    };
+    let load = tokio::spawn(async move { loadgen::run(&opts).await });
+    let worker = WorkerProcess::spawn(&mock.stage_yaml("{latencyMs: 2, seed: 5}", ""));
+    wait_until(Duration::from_secs(90), || mock.output_count() >= 500)
+        .await
+        .expect("progress before the silence");
+
+    let errors = [RDKafkaRespErr::RD_KAFKA_RESP_ERR_REQUEST_TIMED_OUT; 2_000];
+    let silence_from = now_ms();
+    mock.cluster
+        .request_errors(RDKafkaApiKey::OffsetCommit, &errors);
+    mock.cluster
+        .request_errors(RDKafkaApiKey::OffsetFetch, &errors);
+    mock.cluster
+        .broker_round_trip_time(OUTPUT_BROKER, SLOW)
+        .expect("slow answers");
+    tokio::time::sleep(SILENCE).await;
+    mock.cluster
+        .clear_request_errors(RDKafkaApiKey::OffsetCommit);
+    mock.cluster
+        .clear_request_errors(RDKafkaApiKey::OffsetFetch);
+    mock.cluster
+        .broker_round_trip_time(OUTPUT_BROKER, Duration::ZERO)
+        .expect("answers on time");
+    let healed = now_ms();
+
+    load.await.unwrap().expect("loadgen");
+    wait_committed_to_end_on(&brokers, &mock.topics, Duration::from_secs(180))
+        .await
+        .unwrap_or_else(|(committed, end)| panic!("committed {committed:?} never reached {end:?}"));
+    assert!(worker.terminate().success());
+
+    let created = output_create_times(&brokers, &mock.topics.output);
+    let fenced_from = silence_from + FENCED_AFTER.as_millis() as i64;
+    let before = created.iter().filter(|&&t| t < silence_from).count();
+    let fenced = created
+        .iter()
+        .filter(|&&t| t >= fenced_from && t < healed)
+        .count();
+    let after = created.iter().filter(|&&t| t >= healed).count();
+    eprintln!(
+        "outputs created: {before} before the silence, {fenced} from {FENCED_AFTER:?} into it \
+         until it ended, {after} after"
+    );
+    assert!(before > 0 && after > 0, "the worker wrote before and after");
+    assert_eq!(
+        fenced, 0,
+        "outputs written while the coordinator had been silent for most of a session timeout"
+    );
+    let report = mock.verify();
+    eprintln!("coordinator silent for {SILENCE:?}:\n{report}");
+    assert!(report.is_ok(), "{report}");
+    assert_eq!(report.records - report.duplicates, RECORDS, "{report}");
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_millis() as i64
+}
+
+/// The create time (ms since the epoch) of every record in `topic`.
+fn output_create_times(brokers: &str, topic: &str) -> Vec<i64> {
+    let ends = end_offsets_on(brokers, topic);
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", sessionflow_tests::unique("fence-reader"))
+        .set("enable.auto.commit", "false")
+        .create()
+        .expect("reader");
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..ends.len() as i32 {
+        tpl.add_partition_offset(topic, p, Offset::Beginning)
+            .expect("partition");
+    }
+    consumer.assign(&tpl).expect("assign");
+    let wanted: i64 = ends.iter().sum();
+    let mut times = Vec::with_capacity(wanted as usize);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while (times.len() as i64) < wanted && std::time::Instant::now() < deadline {
+        if let Some(Ok(m)) = consumer.poll(Duration::from_millis(200)) {
+            if let Some(t) = m.timestamp().to_millis() {
+                times.push(t);
+            }
+        }
+    }
+    assert_eq!(times.len() as i64, wanted, "every output read back");
+    times
+}
