@@ -187,9 +187,7 @@ impl Settler<'_> {
             }
         }
     }
-}
 
-impl Settler<'_> {
     /// Waits at the closed membership fence: true once it opens, false when the record's
     /// partition is revoked or the shutdown aborts meanwhile.
     async fn wait_at_gate(&self, record: &InputRecord) -> bool {
