@@ -166,6 +166,13 @@ impl StageProducer {
         result
     }
 
+    /// Whether the client has failed for good (a fatal error): it purges what it holds, and
+    /// nothing written now can land.
+    pub fn has_failed(&self) -> bool {
+        self.inner.events.fatal.is_cancelled()
+            || self.inner.producer.client().fatal_error().is_some()
+    }
+
     /// The gate every write passes first (see `membership`).
     pub fn gate(&self) -> &Arc<WriteGate> {
         &self.inner.gate

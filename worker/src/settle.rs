@@ -197,11 +197,12 @@ impl Settler<'_> {
         }
     }
 
-    /// A purged write whose partition is still this worker's and whose stop has not come was
-    /// taken back by the membership fence: it is written again once the gate opens. (A stop
-    /// purges only after revoking every lease.)
+    /// A purged write whose partition is still this worker's, whose stop has not come and
+    /// whose producer has not failed was taken back by the membership fence: it is written
+    /// again once the gate opens. (A stop purges only after revoking every lease; a fatal
+    /// error purges the client's queues itself, and its records are released for the restart.)
     fn purged_by_the_fence(&self, record: &InputRecord) -> bool {
-        !record.lease.is_revoked() && !self.abort.is_cancelled()
+        !record.lease.is_revoked() && !self.abort.is_cancelled() && !self.producer.has_failed()
     }
 }
 
