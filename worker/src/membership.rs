@@ -11,7 +11,9 @@
 //!
 //! So the worker keeps its own clock of when the coordinator last answered it ([`WordClock`]):
 //! the commit thread records the answers to commits, and asks for a committed offset (a
-//! read-only request to the coordinator) when it has nothing else to send. When the last word
+//! read-only request to the coordinator) when it has nothing else to send or its commits are
+//! refused. Such an answer shows the coordinator can be reached, not that it still counts this
+//! worker as a member; librdkafka's own checks are left to judge that. When the last word
 //! is older than two thirds of the session timeout, the [`WriteGate`] closes: no result is
 //! written, and the producer's queued writes are purged (their records are written again once
 //! the gate opens, or released if their partition is revoked meanwhile). The last third of the
