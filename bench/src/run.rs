@@ -116,7 +116,7 @@ pub async fn child(spec: RunSpec) -> anyhow::Result<()> {
     }
     if spec.memory {
         let sessions = system
-            .active_sessions
+            .sessions
             .as_ref()
             .ok_or_else(|| anyhow::anyhow!("the memory probe needs session counts"))?;
         // At rest: the warm-up sessions reaped, then one more reap interval.
@@ -162,7 +162,7 @@ pub async fn child(spec: RunSpec) -> anyhow::Result<()> {
     let waited = Instant::now();
     let mut capped = false;
     loop {
-        if let Some(f) = &system.active_sessions {
+        if let Some(f) = &system.sessions {
             active.store(f(), Ordering::Release);
         }
         let c = core.counts();
@@ -189,7 +189,7 @@ pub async fn child(spec: RunSpec) -> anyhow::Result<()> {
     let cpu_s = cpu_seconds() - cpu0;
     let peak = rss().peak;
 
-    if let (Some(m), Some(sessions)) = (memory.as_mut(), system.active_sessions.as_ref()) {
+    if let (Some(m), Some(sessions)) = (memory.as_mut(), system.sessions.as_ref()) {
         let last = Instant::now();
         active.store(sessions(), Ordering::Release);
         wait_for("every session reaped", || {

@@ -59,7 +59,8 @@ pub struct StageConfig {
     /// partition is held until the channel has room).
     #[serde(default = "defaults::dispatcher_capacity")]
     pub dispatcher_capacity: usize,
-    /// A session task with nothing to do for this long is removed.
+    /// A session with nothing to do for this long is forgotten (its order watch and recent
+    /// event ids); its task ends sooner, after 250 ms with nothing to do.
     #[serde(default = "defaults::session_idle_ms")]
     pub session_idle_ms: u64,
     /// Records of one partition between the committed watermark and the newest record taken

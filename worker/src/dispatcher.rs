@@ -8,8 +8,11 @@
 //! routing is a consistent hash of the session id, one session always lands on the same
 //! dispatcher, hence on one task.
 //!
-//! Reaping idle sessions is done here, by the only sender, so it cannot race with a send: a
-//! session is dropped only when nothing is queued or running for it.
+//! Parking and reaping idle sessions is done here, by the only sender, so neither can race with
+//! a send: a session with nothing queued or running for `PARK_AFTER` gives up its task and
+//! keeps only its map entry (see `session::SessionHandle`); after `sessionIdleMs` it is dropped.
+//! Only the sessions with a task (the *awake* list) are looked at for parking, so a tick costs
+//! what is running, not every session known.
 //!
 //! The session map is looked up once per record, so it hashes with foldhash (seeded per map)
 //! rather than SipHash; and the dispatcher takes every record waiting in its channel at once,
@@ -18,22 +21,32 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use tokio::sync::mpsc;
 use tokio_util::task::TaskTracker;
 
 use crate::handler::Handler;
 use crate::record::InputRecord;
-use crate::session::{SessionContext, SessionHandle};
+use crate::session::{Sent, SessionContext, SessionHandle};
 
 /// Records taken from the channel per wake-up, at most.
 const BATCH: usize = 128;
+/// How long a session with nothing to do keeps its task before it parks. A session that comes
+/// back later pays for a new task (~1 µs); one idling meanwhile costs its task and queue
+/// (~300 bytes).
+pub const PARK_AFTER: Duration = Duration::from_millis(250);
 
 pub struct Dispatcher<H> {
     rx: mpsc::Receiver<InputRecord>,
-    sessions: foldhash::HashMap<Bytes, SessionHandle>,
+    /// Keyed by a copy of the id, not a view: the record's id is a view of its whole buffer,
+    /// which the map would otherwise keep for as long as the session lives.
+    sessions: hashbrown::HashMap<Arc<[u8]>, SessionHandle>,
+    /// The sessions to tend: each started a task since it was last found parked (some may
+    /// since have been reaped). Empty when sessions do not park.
+    awake: Vec<Arc<[u8]>>,
     ctx: Arc<SessionContext<H>>,
     idle: Duration,
+    /// Parking only pays where sessions are kept longer than a task is.
+    parks: bool,
     tasks: TaskTracker,
 }
 
@@ -46,17 +59,21 @@ impl<H: Handler> Dispatcher<H> {
     ) -> Self {
         Self {
             rx,
-            sessions: foldhash::HashMap::default(),
+            sessions: hashbrown::HashMap::default(),
+            awake: Vec::new(),
             ctx,
             idle,
+            parks: idle > PARK_AFTER,
             tasks,
         }
     }
 
     /// Runs until the consumer loop drops its sender; session tasks then finish what is queued.
     pub async fn run(mut self) {
-        let mut reap = tokio::time::interval((self.idle / 2).max(Duration::from_millis(10)));
-        reap.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let every = if self.parks { PARK_AFTER } else { self.idle } / 2;
+        let mut tick = tokio::time::interval(every.max(Duration::from_millis(10)));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_reap = Instant::now();
         let mut batch = Vec::with_capacity(BATCH);
         loop {
             tokio::select! {
@@ -70,28 +87,46 @@ impl<H: Handler> Dispatcher<H> {
                         self.route(record, now);
                     }
                 }
-                _ = reap.tick() => self.reap(),
+                _ = tick.tick() => {
+                    let now = Instant::now();
+                    if self.parks {
+                        self.park(now);
+                    }
+                    if now.duration_since(last_reap) >= self.idle / 2 {
+                        self.reap(now);
+                        last_reap = now;
+                    }
+                }
             }
         }
+        self.ctx.metrics.sessions.sub(self.sessions.len() as i64);
     }
 
     fn route(&mut self, record: InputRecord, now: Instant) {
         let mut record = record;
         loop {
-            let session = record
+            let id = record
                 .session
                 .as_deref()
                 .expect("the consumer loop routes only records with a session");
-            let sent = match self.sessions.get_mut(session) {
-                Some(handle) => handle.send(record, &self.ctx.metrics, now),
+            let sent = match self.sessions.get_key_value_mut(id) {
+                Some((key, handle)) => {
+                    let sent = handle.send(record, &self.ctx, &self.tasks, now);
+                    if matches!(sent, Ok(Sent::Started)) && self.parks {
+                        self.awake.push(key.clone());
+                    }
+                    sent.map(drop)
+                }
                 None => {
-                    // A copy, not a view: the record's id is a view of its whole buffer, which
-                    // the map would otherwise keep for as long as the session lives.
-                    let session = Bytes::copy_from_slice(session);
-                    let mut handle = SessionHandle::spawn(self.ctx.clone(), &self.tasks);
-                    let sent = handle.send(record, &self.ctx.metrics, now);
-                    self.sessions.insert(session, handle);
-                    sent
+                    let key: Arc<[u8]> = id.into();
+                    let mut handle = SessionHandle::default();
+                    let sent = handle.send(record, &self.ctx, &self.tasks, now);
+                    if self.parks {
+                        self.awake.push(key.clone());
+                    }
+                    self.sessions.insert(key, handle);
+                    self.ctx.metrics.sessions.inc();
+                    sent.map(drop)
                 }
             };
             match sent {
@@ -99,7 +134,9 @@ impl<H: Handler> Dispatcher<H> {
                 Err(back) => {
                     // The task ended (aborted); start a fresh one for this record.
                     if let Some(session) = &back.session {
-                        self.sessions.remove(session);
+                        if self.sessions.remove(&session[..]).is_some() {
+                            self.ctx.metrics.sessions.dec();
+                        }
                     }
                     record = back;
                     if self.ctx.abort.is_cancelled() {
@@ -110,14 +147,31 @@ impl<H: Handler> Dispatcher<H> {
         }
     }
 
-    fn reap(&mut self) {
-        let now = Instant::now();
+    /// Asks the awake sessions idle for `PARK_AFTER` to park, and forgets the ones that have.
+    fn park(&mut self, now: Instant) {
+        let sessions = &mut self.sessions;
+        self.awake.retain(|id| {
+            sessions
+                .get_mut(id)
+                .is_some_and(|s| s.tend(now, PARK_AFTER))
+        });
+    }
+
+    fn reap(&mut self, now: Instant) {
         let idle = self.idle;
+        let before = self.sessions.len();
         self.sessions.retain(|_, s| !s.is_idle(now, idle));
+        self.ctx
+            .metrics
+            .sessions
+            .sub((before - self.sessions.len()) as i64);
         // A burst of sessions leaves the map's table behind at its peak size; give the memory
         // back once most of them are gone (rare: only after the map shrank to a quarter).
         if self.sessions.capacity() > 1_024 && self.sessions.len() < self.sessions.capacity() / 4 {
             self.sessions.shrink_to_fit();
+        }
+        if self.awake.capacity() > 1_024 && self.awake.len() < self.awake.capacity() / 4 {
+            self.awake.shrink_to_fit();
         }
     }
 }
@@ -133,6 +187,7 @@ mod tests {
     use crate::signal::Signal;
     use crate::stuck::{StuckAction, StuckPolicy};
     use crate::HandlerResult;
+    use bytes::Bytes;
 
     struct Noop;
 
@@ -142,8 +197,22 @@ mod tests {
         }
     }
 
-    fn context() -> (
-        Arc<SessionContext<Noop>>,
+    /// The handler calls, in the order they began: (session, seq).
+    #[derive(Default)]
+    struct Recording(std::sync::Mutex<Vec<(Bytes, u64)>>);
+
+    impl Handler for Recording {
+        async fn handle(&self, record: &InputRecord, _: u32) -> HandlerResult {
+            let call = (record.session.clone().unwrap(), record.seq().unwrap());
+            self.0.lock().unwrap().push(call);
+            Ok(None)
+        }
+    }
+
+    fn context<H: Handler>(
+        handler: H,
+    ) -> (
+        Arc<SessionContext<H>>,
         crate::completion::CompletionReceiver,
     ) {
         let metrics = Metrics::new("test");
@@ -165,7 +234,7 @@ mod tests {
         )
         .unwrap();
         let ctx = SessionContext {
-            handler: Arc::new(Noop),
+            handler: Arc::new(handler),
             producer,
             retry: RetryPolicy::default(),
             stuck: StuckPolicy {
@@ -194,20 +263,24 @@ mod tests {
         }
     }
 
-    /// What an idle session keeps, once its records are done: its task, its queue and its
-    /// entry in the dispatcher's map. A burst of a million users is that many times this
-    /// (1,813 bytes with tokio's unbounded channel for the queue and an `async fn` task that
-    /// held itself twice; 644 after that, 775 with only the `async fn` back; 552 since the
-    /// ordering watchdog keeps a word of bits instead of a queue of recent numbers).
+    /// What an idle session keeps before it parks, once its records are done: its task, its
+    /// queue and its entry in the dispatcher's map. Until sessions parked, a burst of a million
+    /// users was that many times this (1,813 bytes with tokio's unbounded channel for the queue
+    /// and an `async fn` task that held itself twice; 644 after that, 775 with only the
+    /// `async fn` back; 552 since the ordering watchdog keeps a word of bits instead of a queue
+    /// of recent numbers; ~700 since the map entry holds what a parked session keeps).
     #[cfg(feature = "jemalloc")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn an_idle_session_keeps_under_600_bytes() {
+    async fn an_idle_session_keeps_under_750_bytes_until_it_parks() {
         const SESSIONS: usize = 20_000;
-        let (ctx, done) = context();
+        let (ctx, done) = context(Noop);
         let (tx, rx) = mpsc::channel(BATCH);
         let tasks = TaskTracker::new();
         let idle = Duration::from_secs(3_600);
-        let dispatcher = tokio::spawn(Dispatcher::new(rx, ctx.clone(), idle, tasks.clone()).run());
+        let mut dispatcher = Dispatcher::new(rx, ctx.clone(), idle, tasks.clone());
+        // None parks while the test measures, however slow the build.
+        dispatcher.parks = false;
+        let dispatcher = tokio::spawn(dispatcher.run());
         let lease = Arc::new(Lease::new(0, 1));
         // Every record's completion taken off its channel (which would count otherwise).
         let settled = || async {
@@ -226,7 +299,135 @@ mod tests {
         let each = (after - before) / SESSIONS as u64;
         println!("{each} bytes per idle session");
         assert_eq!(ctx.metrics.active_sessions.get(), SESSIONS as i64);
-        assert!(each < 600, "{each} bytes per idle session");
+        assert!(each < 750, "{each} bytes per idle session");
+        drop(tx);
+        dispatcher.await.unwrap();
+        tasks.close();
+        tasks.wait().await;
+    }
+
+    /// Takes `n` completions off their channel (the test's stand-in for the consumer loop).
+    async fn settle(done: &crate::completion::CompletionReceiver, n: usize) {
+        let mut completed = 0;
+        while completed < n {
+            completed += done.try_iter().count();
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Waits until every session task has parked (a minute at most: ~PARK_AFTER is enough).
+    async fn parked<H>(ctx: &SessionContext<H>) {
+        let waiting = async {
+            while ctx.metrics.active_sessions.get() > 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(60), waiting)
+            .await
+            .expect("the idle sessions never parked");
+    }
+
+    /// What a parked session keeps: its entry in the dispatcher's map (its id, its order
+    /// watches and recent event ids) and its place on the list of sessions to tend, no task
+    /// and no queue: ~330 bytes (~700 while its task waits, 552 before sessions parked).
+    #[cfg(feature = "jemalloc")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_parked_session_keeps_under_400_bytes() {
+        const SESSIONS: usize = 20_000;
+        let (ctx, done) = context(Noop);
+        let (tx, rx) = mpsc::channel(BATCH);
+        let tasks = TaskTracker::new();
+        let idle = Duration::from_secs(3_600);
+        let dispatcher = tokio::spawn(Dispatcher::new(rx, ctx.clone(), idle, tasks.clone()).run());
+        let lease = Arc::new(Lease::new(0, 1));
+        let before = crate::memory::allocated_bytes().unwrap();
+        for s in 0..SESSIONS {
+            tx.send(record(s, 1, &lease)).await.unwrap();
+        }
+        settle(&done, SESSIONS).await;
+        parked(&ctx).await;
+        let after = crate::memory::allocated_bytes().unwrap();
+        let each = (after - before) / SESSIONS as u64;
+        println!("{each} bytes per parked session");
+        assert_eq!(ctx.metrics.sessions.get(), SESSIONS as i64);
+        assert!(each < 400, "{each} bytes per parked session");
+        drop(tx);
+        dispatcher.await.unwrap();
+        assert_eq!(ctx.metrics.sessions.get(), 0);
+        tasks.close();
+        tasks.wait().await;
+    }
+
+    /// A parked session's next task starts with what the last one remembered: an event settled
+    /// before the session parked is a replay after it (and is not processed again).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_parked_session_starts_again_with_what_it_remembered() {
+        let (ctx, done) = context(Recording::default());
+        let (tx, rx) = mpsc::channel(BATCH);
+        let tasks = TaskTracker::new();
+        let idle = Duration::from_secs(3_600);
+        let dispatcher = tokio::spawn(Dispatcher::new(rx, ctx.clone(), idle, tasks.clone()).run());
+        let lease = Arc::new(Lease::new(0, 1));
+        let event = |seq| {
+            let mut r = record(7, seq, &lease);
+            r.headers.push((
+                crate::record::header::EVENT_ID.into(),
+                Some(Bytes::from_static(b"event-7")),
+            ));
+            r
+        };
+        tx.send(event(1)).await.unwrap();
+        settle(&done, 1).await;
+        parked(&ctx).await;
+        tx.send(event(1)).await.unwrap();
+        settle(&done, 1).await;
+        assert_eq!(ctx.metrics.replay_skipped.get(), 1);
+        assert_eq!(ctx.handler.0.lock().unwrap().len(), 1, "processed once");
+        assert_eq!(ctx.metrics.sessions.get(), 1);
+        drop(tx);
+        dispatcher.await.unwrap();
+        tasks.close();
+        tasks.wait().await;
+    }
+
+    /// Records arriving while their sessions park (rounds spaced around the park time, so
+    /// sends meet tasks that are idle, asked to park, parked, or parked and not yet collected):
+    /// each session's records reach the handler once each, in order.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn records_racing_with_parking_keep_their_order() {
+        const SESSIONS: usize = 300;
+        const ROUNDS: u64 = 8;
+        let (ctx, done) = context(Recording::default());
+        let (tx, rx) = mpsc::channel(BATCH);
+        let tasks = TaskTracker::new();
+        let idle = Duration::from_secs(3_600);
+        let dispatcher = tokio::spawn(Dispatcher::new(rx, ctx.clone(), idle, tasks.clone()).run());
+        let lease = Arc::new(Lease::new(0, 1));
+        let mut fewest_tasks = i64::MAX;
+        for seq in 1..=ROUNDS {
+            for s in 0..SESSIONS {
+                tx.send(record(s, seq, &lease)).await.unwrap();
+            }
+            settle(&done, SESSIONS).await;
+            // From well before the park to well after it, one session at a time.
+            let quiet = PARK_AFTER.mul_f64(0.5 + seq as f64 / ROUNDS as f64);
+            tokio::time::sleep(quiet).await;
+            fewest_tasks = fewest_tasks.min(ctx.metrics.active_sessions.get());
+        }
+        assert!(
+            fewest_tasks < SESSIONS as i64,
+            "no session ever parked: the test did not test parking"
+        );
+        let calls = ctx.handler.0.lock().unwrap().clone();
+        assert_eq!(calls.len(), SESSIONS * ROUNDS as usize);
+        let mut last = std::collections::HashMap::new();
+        for (session, seq) in calls {
+            let before = last.insert(session.clone(), seq).unwrap_or(0);
+            assert_eq!(seq, before + 1, "{session:?}: {seq} after {before}");
+        }
+        let violations = &ctx.metrics.order_violations;
+        assert_eq!(violations.with_label_values(&["intake"]).get(), 0);
+        assert_eq!(violations.with_label_values(&["handler"]).get(), 0);
         drop(tx);
         dispatcher.await.unwrap();
         tasks.close();

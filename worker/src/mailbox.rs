@@ -1,16 +1,25 @@
 //! A session's queue: the records its dispatcher handed it and its task has not taken yet.
 //!
-//! Every live session has one, and a burst of a million users means a million of them, most
-//! idle, so what an empty queue costs is what matters here. tokio's unbounded channel, which
-//! sessions used first, is built for many busy senders: its two halves are padded to cache
-//! lines and its first block of 32 slots is allocated with it, ~850 bytes before the first
-//! record. A session has one sender (its dispatcher) and one receiver (its task), and its queue
-//! is short, so a `VecDeque` under a mutex that neither side ever holds across anything else,
-//! with one waker for the task, does the same job in a single allocation of ~100 bytes (and
-//! the deque's own slots, which grow with what is queued).
+//! Every live session has one while it has a task, and a burst of a million users means a
+//! million of them, so what an empty queue costs is what matters here. tokio's unbounded
+//! channel, which sessions used first, is built for many busy senders: its two halves are padded
+//! to cache lines and its first block of 32 slots is allocated with it, ~850 bytes before the
+//! first record. A session has one sender (its dispatcher) and one receiver (its task), and its
+//! queue is short, so a `VecDeque` under a mutex that neither side ever holds across anything
+//! else, with one waker for the task, does the same job in a single allocation of ~100 bytes
+//! (and the deque's own slots, which grow with what is queued).
 //!
 //! The queue also counts the records handed over and not yet *finished* (taken and processed):
 //! the dispatcher reaps a session only when that count is zero.
+//!
+//! And it is how a session *parks*: an idle session's task ends, and what the task remembers
+//! (`K`: its order watch, its recent event ids) goes back to the dispatcher, which keeps it in
+//! its map until the session's next record starts a new task with it, or until the session is
+//! reaped. The dispatcher asks ([`Sender::ask_to_park`]); the task, finding its queue empty,
+//! leaves its memory in the mailbox ([`Receiver::park`]); the dispatcher takes it
+//! ([`Sender::parked`]) and drops the mailbox. Each step is one look under the lock, so a record
+//! sent at any point in between is never lost: either the task sees it and goes on, or the send
+//! finds the task gone and hands the record back to the dispatcher, which starts a new task.
 
 use std::collections::VecDeque;
 use std::future::poll_fn;
@@ -21,12 +30,14 @@ use std::task::Poll;
 use futures::task::AtomicWaker;
 
 /// Creates a session's queue: the dispatcher's end and the task's end.
-pub fn mailbox<T>() -> (Sender<T>, Receiver<T>) {
+pub fn mailbox<T, K>() -> (Sender<T, K>, Receiver<T, K>) {
     let shared = Arc::new(Shared {
         state: Mutex::new(State {
             queue: VecDeque::new(),
             sender: true,
             receiver: true,
+            park: false,
+            kept: None,
         }),
         task: AtomicWaker::new(),
         unfinished: AtomicUsize::new(0),
@@ -39,23 +50,27 @@ pub fn mailbox<T>() -> (Sender<T>, Receiver<T>) {
     )
 }
 
-struct Shared<T> {
-    state: Mutex<State<T>>,
+struct Shared<T, K> {
+    state: Mutex<State<T, K>>,
     /// The receiving task, when it waits for a record.
     task: AtomicWaker,
     /// Records sent and not yet finished by the receiver.
     unfinished: AtomicUsize,
 }
 
-struct State<T> {
+struct State<T, K> {
     queue: VecDeque<T>,
     /// Each end, while it lives.
     sender: bool,
     receiver: bool,
+    /// The sender asked the receiver to park once nothing is queued; a send withdraws it.
+    park: bool,
+    /// What a parked receiver left for the sender.
+    kept: Option<K>,
 }
 
-impl<T> Shared<T> {
-    fn state(&self) -> MutexGuard<'_, State<T>> {
+impl<T, K> Shared<T, K> {
+    fn state(&self) -> MutexGuard<'_, State<T, K>> {
         // Nothing panics while holding the lock (pushes and pops only); a poisoned lock's
         // queue is still whole.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
@@ -63,12 +78,13 @@ impl<T> Shared<T> {
 }
 
 /// The dispatcher's end.
-pub struct Sender<T> {
-    shared: Arc<Shared<T>>,
+pub struct Sender<T, K> {
+    shared: Arc<Shared<T, K>>,
 }
 
-impl<T> Sender<T> {
-    /// Queues `item` behind the earlier ones; hands it back if the receiver is gone.
+impl<T, K> Sender<T, K> {
+    /// Queues `item` behind the earlier ones; hands it back if the receiver is gone (parked or
+    /// ended).
     pub fn send(&self, item: T) -> Result<(), T> {
         {
             let mut state = self.shared.state();
@@ -78,9 +94,27 @@ impl<T> Sender<T> {
             // Counted before the receiver can take it (and finish it).
             self.shared.unfinished.fetch_add(1, Ordering::AcqRel);
             state.queue.push_back(item);
+            state.park = false;
         }
         self.shared.task.wake();
         Ok(())
+    }
+
+    /// Asks the receiver to park once it has nothing queued (its `recv` then ends); the next
+    /// send withdraws the request.
+    pub fn ask_to_park(&self) {
+        self.shared.state().park = true;
+        self.shared.task.wake();
+    }
+
+    /// What the receiver left when it parked; `None` while it runs (or if it ended without
+    /// parking).
+    pub fn parked(&self) -> Option<K> {
+        let mut state = self.shared.state();
+        if state.receiver {
+            return None;
+        }
+        state.kept.take()
     }
 
     /// Records sent and not yet finished by the receiver.
@@ -89,7 +123,7 @@ impl<T> Sender<T> {
     }
 }
 
-impl<T> Drop for Sender<T> {
+impl<T, K> Drop for Sender<T, K> {
     fn drop(&mut self) {
         self.shared.state().sender = false;
         self.shared.task.wake();
@@ -97,12 +131,13 @@ impl<T> Drop for Sender<T> {
 }
 
 /// The session task's end.
-pub struct Receiver<T> {
-    shared: Arc<Shared<T>>,
+pub struct Receiver<T, K> {
+    shared: Arc<Shared<T, K>>,
 }
 
-impl<T> Receiver<T> {
-    /// The next record, or `None` once the sender is gone and nothing is left.
+impl<T, K> Receiver<T, K> {
+    /// The next record, or `None` once nothing is left and the sender is gone or has asked
+    /// this end to park (see [`Receiver::park`]).
     pub async fn recv(&mut self) -> Option<T> {
         poll_fn(|cx| {
             if let Some(ready) = self.try_recv() {
@@ -132,9 +167,23 @@ impl<T> Receiver<T> {
                 }
                 Some(Some(item))
             }
-            None if !state.sender => Some(None),
+            None if !state.sender || state.park => Some(None),
             None => None,
         }
+    }
+
+    /// Called when `recv` ended: `Ok` when this end is done, having left `kept` for the
+    /// sender and detached (the sender still asks it to park and nothing is queued), or because
+    /// the sender is gone; otherwise `kept` comes back (a record came meanwhile: take it). A
+    /// detached receiver takes nothing more: later sends come back to the sender.
+    pub fn park(&mut self, kept: K) -> Result<(), K> {
+        let mut state = self.shared.state();
+        if state.sender && (!state.park || !state.queue.is_empty()) {
+            return Err(kept);
+        }
+        state.receiver = false;
+        state.kept = Some(kept);
+        Ok(())
     }
 
     /// One record taken earlier is finished: the sender may count the session idle.
@@ -143,7 +192,7 @@ impl<T> Receiver<T> {
     }
 }
 
-impl<T> Drop for Receiver<T> {
+impl<T, K> Drop for Receiver<T, K> {
     fn drop(&mut self) {
         // Nothing will take what is still queued: drop it now (outside the lock), not when the
         // sender goes too.
@@ -168,7 +217,7 @@ mod tests {
 
     #[tokio::test]
     async fn records_come_out_in_the_order_they_went_in_then_none_once_the_sender_is_gone() {
-        let (tx, mut rx) = mailbox();
+        let (tx, mut rx) = mailbox::<_, ()>();
         for i in 0..100 {
             tx.send(i).unwrap();
         }
@@ -181,7 +230,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_waiting_receiver_wakes_for_a_record_and_for_the_sender_leaving() {
-        let (tx, mut rx) = mailbox();
+        let (tx, mut rx) = mailbox::<_, ()>();
         let task = tokio::spawn(async move {
             let first = rx.recv().await;
             let then = rx.recv().await;
@@ -196,7 +245,7 @@ mod tests {
 
     #[test]
     fn a_record_for_a_gone_receiver_comes_back() {
-        let (tx, rx) = mailbox();
+        let (tx, rx) = mailbox::<_, ()>();
         drop(rx);
         assert_eq!(tx.send(7), Err(7));
         assert_eq!(tx.unfinished(), 0);
@@ -205,7 +254,7 @@ mod tests {
     #[test]
     fn what_is_queued_when_the_receiver_goes_is_dropped_with_it() {
         let record = Arc::new(());
-        let (tx, rx) = mailbox();
+        let (tx, rx) = mailbox::<_, ()>();
         tx.send(record.clone()).unwrap();
         tx.send(record.clone()).unwrap();
         assert_eq!(Arc::strong_count(&record), 3);
@@ -219,7 +268,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_record_counts_as_unfinished_until_the_receiver_says_so() {
-        let (tx, mut rx) = mailbox();
+        let (tx, mut rx) = mailbox::<_, ()>();
         tx.send(1).unwrap();
         tx.send(2).unwrap();
         assert_eq!(tx.unfinished(), 2);
@@ -231,7 +280,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_emptied_queue_gives_its_burst_back() {
-        let (tx, mut rx) = mailbox();
+        let (tx, mut rx) = mailbox::<_, ()>();
         for i in 0..1_000 {
             tx.send(i).unwrap();
         }
@@ -241,13 +290,67 @@ mod tests {
         assert!(rx.shared.state().queue.capacity() <= IDLE_SLOTS);
     }
 
+    #[tokio::test]
+    async fn a_parked_receiver_leaves_its_memory_and_later_records_come_back() {
+        let (tx, mut rx) = mailbox::<_, &str>();
+        tx.send(1).unwrap();
+        tx.ask_to_park();
+        assert_eq!(rx.recv().await, Some(1), "what is queued comes first");
+        rx.finished();
+        assert_eq!(rx.recv().await, None);
+        assert_eq!(tx.parked(), None, "not parked yet");
+        assert_eq!(rx.park("memory"), Ok(()));
+        assert_eq!(tx.parked(), Some("memory"));
+        assert_eq!(tx.send(2), Err(2), "a parked receiver takes nothing");
+        assert_eq!(tx.unfinished(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_record_sent_after_the_ask_withdraws_it() {
+        let (tx, mut rx) = mailbox::<_, &str>();
+        tx.ask_to_park();
+        tx.send(1).unwrap();
+        assert_eq!(rx.recv().await, Some(1));
+        assert_eq!(rx.try_recv(), None, "waits for the next record");
+        assert_eq!(rx.park("memory"), Err("memory"));
+        assert_eq!(tx.parked(), None);
+    }
+
+    #[tokio::test]
+    async fn a_record_sent_between_the_end_of_recv_and_park_keeps_the_receiver() {
+        let (tx, mut rx) = mailbox::<_, &str>();
+        tx.ask_to_park();
+        assert_eq!(rx.recv().await, None);
+        tx.send(1).unwrap();
+        assert_eq!(rx.park("memory"), Err("memory"), "a record came: take it");
+        // Asked again with the record still queued (the dispatcher asks only idle sessions,
+        // but the queue is what decides).
+        tx.ask_to_park();
+        assert_eq!(
+            rx.park("memory"),
+            Err("memory"),
+            "a record is queued: take it"
+        );
+        assert_eq!(tx.parked(), None);
+        assert_eq!(rx.recv().await, Some(1));
+    }
+
+    #[test]
+    fn a_receiver_not_asked_does_not_park_and_one_whose_sender_left_is_done() {
+        let (tx, mut rx) = mailbox::<u8, &str>();
+        assert_eq!(rx.park("memory"), Err("memory"));
+        drop(tx);
+        assert_eq!(rx.try_recv(), Some(None));
+        assert_eq!(rx.park("memory"), Ok(()));
+    }
+
     /// The sender sends each record the moment the previous one is finished, which is when the
     /// receiver goes back to wait: a wake-up lost between its look and its registration would
     /// leave it waiting for good.
     #[test]
     fn a_record_sent_while_the_receiver_goes_to_wait_still_wakes_it() {
         const ROUNDS: usize = 200_000;
-        let (tx, mut rx) = mailbox();
+        let (tx, mut rx) = mailbox::<_, ()>();
         let receiver = std::thread::spawn(move || {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .build()
@@ -271,6 +374,26 @@ mod tests {
         assert_eq!(receiver.join().unwrap(), ROUNDS);
     }
 
+    /// A receiver task for the parking test: takes records, checking each against what its
+    /// predecessors remembered, until it parks or the sender is gone.
+    async fn remembering_receiver(
+        mut rx: Receiver<usize, usize>,
+        mut next: usize,
+        seen: Arc<Mutex<Vec<(usize, usize)>>>,
+    ) {
+        loop {
+            while let Some(i) = rx.recv().await {
+                seen.lock().unwrap().push((i, next));
+                next += 1;
+                rx.finished();
+            }
+            match rx.park(next) {
+                Ok(()) => return,
+                Err(kept) => next = kept,
+            }
+        }
+    }
+
     proptest! {
         /// Across two threads, whatever the interleaving: every record once, in order.
         #[test]
@@ -280,7 +403,7 @@ mod tests {
                 .build()
                 .unwrap();
             let got = runtime.block_on(async move {
-                let (tx, mut rx) = mailbox();
+                let (tx, mut rx) = mailbox::<_, ()>();
                 let receiver = tokio::spawn(async move {
                     let mut got = Vec::new();
                     while let Some(i) = rx.recv().await {
@@ -301,6 +424,61 @@ mod tests {
                 receiver.await.unwrap()
             });
             prop_assert_eq!(got, (0..n).collect::<Vec<_>>());
+        }
+
+        /// Parking under races: the sender asks its receiver to park at random moments and
+        /// starts a new one, with the memory the last one left, whenever a record comes back.
+        /// Every record arrives once, in order, and each receiver starts where the last one
+        /// stopped.
+        #[test]
+        fn parking_loses_nothing_and_hands_the_memory_on(
+            asks in proptest::collection::vec(proptest::bool::weighted(0.3), 1..1_500)
+        ) {
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .build()
+                .unwrap();
+            let handle = runtime.handle().clone();
+            let seen = Arc::new(Mutex::new(Vec::new()));
+            let n = asks.len();
+            let receivers = runtime.block_on({
+                let seen = seen.clone();
+                async move {
+                    tokio::task::spawn_blocking(move || {
+                        let (mut tx, rx) = mailbox::<usize, usize>();
+                        let mut receivers = vec![handle.spawn(remembering_receiver(rx, 0, seen.clone()))];
+                        for (i, ask) in asks.into_iter().enumerate() {
+                            if ask {
+                                tx.ask_to_park();
+                                if i % 3 == 0 {
+                                    std::thread::yield_now();
+                                }
+                            }
+                            if let Err(back) = tx.send(i) {
+                                let next = tx.parked().expect("a receiver only leaves by parking");
+                                let (new_tx, rx) = mailbox();
+                                tx = new_tx;
+                                receivers.push(handle.spawn(remembering_receiver(rx, next, seen.clone())));
+                                tx.send(back).unwrap();
+                            }
+                        }
+                        receivers
+                    })
+                    .await
+                    .unwrap()
+                }
+            });
+            runtime.block_on(async {
+                for r in receivers {
+                    r.await.unwrap();
+                }
+            });
+            let seen = seen.lock().unwrap();
+            prop_assert_eq!(seen.len(), n);
+            for (at, &(i, next)) in seen.iter().enumerate() {
+                prop_assert_eq!(i, at, "record {} arrived at position {}", i, at);
+                prop_assert_eq!(next, at, "receiver's memory {} at record {}", next, at);
+            }
         }
     }
 }

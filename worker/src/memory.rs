@@ -21,8 +21,8 @@
 //! until something asks for them back — and on Kubernetes the RSS is what the memory limit
 //! and the scheduler see. This watcher asks (jemalloc: purge every arena; glibc:
 //! `malloc_trim`) once the number of live sessions has fallen to half of what it was at the
-//! last trim, so a steady load never trims and a large reap trims a few times, not once per
-//! reaped session.
+//! last trim, and once more when the last session of a burst is gone, so a steady load never
+//! trims and a large reap trims a few times, not once per reaped session.
 
 use std::time::Duration;
 
@@ -39,15 +39,25 @@ const MIN_DROP: i64 = 1_000;
 pub struct TrimPolicy {
     /// Highest live-session count since the last trim.
     high: i64,
+    /// Highest live-session count since the count was last zero.
+    burst: i64,
 }
 
 impl TrimPolicy {
     /// Notes the current count; true when the memory of the sessions reaped since the last trim
-    /// should be given back now.
+    /// should be given back now: the count has halved (by at least `MIN_DROP`), or the last
+    /// session of a burst of at least `MIN_DROP` is gone (what the halvings left behind is free
+    /// too, and would otherwise wait for the allocator's decay).
     pub fn observe(&mut self, live: i64) -> bool {
         self.high = self.high.max(live);
+        self.burst = self.burst.max(live);
         let dropped = self.high - live;
-        if dropped >= MIN_DROP && live <= self.high / 2 {
+        let halved = dropped >= MIN_DROP && live <= self.high / 2;
+        let emptied = live == 0 && dropped > 0 && self.burst >= MIN_DROP;
+        if live == 0 {
+            self.burst = 0;
+        }
+        if halved || emptied {
             self.high = live;
             true
         } else {
@@ -287,21 +297,48 @@ mod tests {
         let mut p = TrimPolicy::default();
         assert!(!p.observe(900));
         assert!(!p.observe(0));
+        assert!(!p.observe(1));
+        assert!(!p.observe(0), "a trickle of sessions never trims");
+    }
+
+    /// The halvings of a large reap stop short of zero (the last one left ~1,300 here); the
+    /// fall to zero gives the rest back.
+    #[test]
+    fn the_end_of_a_burst_trims_what_the_halvings_left() {
+        let mut p = TrimPolicy::default();
+        assert!(!p.observe(5_000));
+        assert!(p.observe(1_300));
+        assert!(!p.observe(700), "not a halving by MIN_DROP");
+        assert!(p.observe(0));
+        assert!(!p.observe(0));
     }
 
     proptest! {
         /// Every trim follows a fall to at most half of the highest count since the previous
-        /// trim, by at least `MIN_DROP` sessions.
+        /// trim, by at least `MIN_DROP` sessions, or the fall to zero of a burst that reached
+        /// `MIN_DROP`; and every such fall to zero trims.
         #[test]
-        fn trims_follow_halvings(counts in proptest::collection::vec(0i64..1_000_000, 1..200)) {
+        fn trims_follow_halvings_and_ends_of_bursts(
+            counts in proptest::collection::vec(
+                prop_oneof![Just(0i64), 0i64..3_000, 0i64..1_000_000], 1..200)
+        ) {
             let mut p = TrimPolicy::default();
-            let mut high = 0i64;
+            let (mut high, mut burst) = (0i64, 0i64);
             for live in counts {
                 high = high.max(live);
-                if p.observe(live) {
-                    prop_assert!(high - live >= MIN_DROP);
-                    prop_assert!(live <= high / 2);
+                burst = burst.max(live);
+                let end_of_burst = live == 0 && high > 0 && burst >= MIN_DROP;
+                let trimmed = p.observe(live);
+                if trimmed {
+                    let halving = high - live >= MIN_DROP && live <= high / 2;
+                    prop_assert!(halving || end_of_burst);
                     high = live;
+                }
+                if end_of_burst {
+                    prop_assert!(trimmed, "a burst of {} ended untrimmed", burst);
+                }
+                if live == 0 {
+                    burst = 0;
                 }
             }
         }

@@ -22,6 +22,7 @@ pub struct Metrics {
     pub dlq: IntCounterVec,
     pub in_flight: IntGauge,
     pub active_sessions: IntGauge,
+    pub sessions: IntGauge,
     pub handler_seconds: HistogramVec,
     /// `handler_seconds` of each outcome, resolved once: looking a label up hashes it and
     /// takes a lock, on every record.
@@ -156,6 +157,11 @@ impl Metrics {
         );
         let in_flight = gauge("in_flight", "Records taken in and not finished.");
         let active_sessions = gauge("active_sessions", "Session tasks alive.");
+        let sessions = gauge(
+            "sessions",
+            "Sessions known: with a task, or parked (idle, no task) until reaped after \
+             sessionIdleMs.",
+        );
         let paused_partitions = gauge(
             "paused_partitions",
             "Input partitions held: not taking records in (backpressure, or a completed-offset \
@@ -240,6 +246,7 @@ impl Metrics {
             dlq,
             in_flight,
             active_sessions,
+            sessions,
             handler_outcome: HandlerOutcomes::of(&handler_seconds),
             handler_seconds,
             committed_offset,

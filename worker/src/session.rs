@@ -75,59 +75,125 @@ impl<H> SessionContext<H> {
     }
 }
 
-/// A running session's queue, as its dispatcher sees it.
+/// A session as its dispatcher sees it: the queue of its running task, or, while it is parked,
+/// what its last task remembered.
+///
+/// A session with nothing to do keeps its task for a while (a new task per record would cost a
+/// spawn per record), then *parks*: the task ends and its memory (order watch, recent event
+/// ids) comes back here, a few words in the dispatcher's map, until the next record starts a
+/// task with it or the session is reaped. A million sessions idling between two messages then
+/// cost their map entries, not a million tasks and queues (see `mailbox`).
+#[derive(Default)]
 pub struct SessionHandle {
-    /// Boxed: the queue's slots stay allocated while the session lives (a few for an idle
-    /// one, see `mailbox`); a pointer each instead of a whole record.
-    tx: mailbox::Sender<Box<InputRecord>>,
-    last_active: Instant,
+    /// Boxed records: the queue's slots stay allocated while the task lives (a few for an
+    /// idle one, see `mailbox`); a pointer each instead of a whole record. `None`: parked.
+    tx: Option<mailbox::Sender<Box<InputRecord>, Memory>>,
+    /// What the session's last task left when it parked (the default while a task runs).
+    kept: Memory,
+    last_active: Option<Instant>,
     /// Order check of the records as they reach the session (the watchdog's "intake").
     intake: SeqWatch,
+    /// On the dispatcher's list of sessions to tend (from its task's start until it is found
+    /// parked).
+    listed: bool,
+}
+
+/// What a session remembers from one task to the next.
+#[derive(Default)]
+pub struct Memory {
+    /// Order check at handler entry.
+    entry: SeqWatch,
+    recent: RecentEvents,
+}
+
+/// What [`SessionHandle::send`] did with a record.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Sent {
+    /// Queued for the session's task.
+    Queued,
+    /// Queued for a task started for it (the session was new or parked), and the session is
+    /// not on the dispatcher's list to tend: list it.
+    Started,
 }
 
 impl SessionHandle {
-    /// Spawns a session's task on `tasks`.
-    pub fn spawn<H: Handler>(ctx: Arc<SessionContext<H>>, tasks: &TaskTracker) -> Self {
-        let (tx, rx) = mailbox::mailbox();
-        let task = SessionTask {
-            rx,
-            ctx,
-            entry: SeqWatch::default(),
-            recent: RecentEvents::default(),
-        };
-        tasks.spawn(task.run());
-        Self {
-            tx,
-            last_active: Instant::now(),
-            intake: SeqWatch::default(),
-        }
-    }
-
-    /// Queues a record behind the session's earlier ones, `now` being the time it arrived.
-    /// Returns it if the task is gone.
+    /// Queues a record behind the session's earlier ones, `now` being the time it arrived,
+    /// starting a task on `tasks` if the session has none. Returns the record if the task
+    /// ended without parking (aborted).
     // Handing the record back (a move, not a copy) is the point of the error variant.
     #[allow(clippy::result_large_err)]
-    pub fn send(
+    pub fn send<H: Handler>(
         &mut self,
         record: InputRecord,
-        metrics: &Metrics,
+        ctx: &Arc<SessionContext<H>>,
+        tasks: &TaskTracker,
         now: Instant,
-    ) -> Result<(), InputRecord> {
+    ) -> Result<Sent, InputRecord> {
         if self.intake.observe(record.lease.epoch, record.seq()) {
-            metrics
+            ctx.metrics
                 .order_violations
                 .with_label_values(&["intake"])
                 .inc();
             tracing::error!(session = %record.session_str(), offset = record.offset,
                 seq = record.seq(), "order violation at intake");
         }
-        self.last_active = now;
-        self.tx.send(Box::new(record)).map_err(|back| *back)
+        self.last_active = Some(now);
+        let mut record = Box::new(record);
+        if let Some(tx) = &self.tx {
+            match tx.send(record) {
+                Ok(()) => return Ok(Sent::Queued),
+                // Parked since the dispatcher last looked: a new task takes over its memory.
+                Err(back) => match tx.parked() {
+                    Some(kept) => {
+                        self.kept = kept;
+                        record = back;
+                    }
+                    None => return Err(*back),
+                },
+            }
+        }
+        let (tx, rx) = mailbox::mailbox();
+        let task = SessionTask {
+            rx,
+            ctx: ctx.clone(),
+            memory: std::mem::take(&mut self.kept),
+        };
+        tasks.spawn(task.run());
+        let tx = self.tx.insert(tx);
+        tx.send(record).map_err(|back| *back)?;
+        if self.listed {
+            return Ok(Sent::Queued);
+        }
+        self.listed = true;
+        Ok(Sent::Started)
+    }
+
+    /// Looks after a listed session: asks its task to park once the session has been idle for
+    /// `park_after`, and takes its memory back once it has. False when it has no task any more
+    /// (and is off the list).
+    pub fn tend(&mut self, now: Instant, park_after: std::time::Duration) -> bool {
+        let Some(tx) = &self.tx else {
+            self.listed = false;
+            return false;
+        };
+        if let Some(kept) = tx.parked() {
+            self.kept = kept;
+            self.tx = None;
+            self.listed = false;
+            return false;
+        }
+        if self.is_idle(now, park_after) {
+            tx.ask_to_park();
+        }
+        true
     }
 
     /// Idle: nothing queued or running, for at least `idle`.
     pub fn is_idle(&self, now: Instant, idle: std::time::Duration) -> bool {
-        self.tx.unfinished() == 0 && now.duration_since(self.last_active) >= idle
+        self.tx.as_ref().is_none_or(|tx| tx.unfinished() == 0)
+            && self
+                .last_active
+                .is_none_or(|last| now.duration_since(last) >= idle)
     }
 }
 
@@ -187,11 +253,9 @@ impl RecentEvents {
 }
 
 struct SessionTask<H> {
-    rx: mailbox::Receiver<Box<InputRecord>>,
+    rx: mailbox::Receiver<Box<InputRecord>, Memory>,
     ctx: Arc<SessionContext<H>>,
-    /// Order check at handler entry.
-    entry: SeqWatch,
-    recent: RecentEvents,
+    memory: Memory,
 }
 
 impl<H: Handler> SessionTask<H> {
@@ -201,23 +265,31 @@ impl<H: Handler> SessionTask<H> {
     fn run(mut self) -> impl Future<Output = ()> + Send {
         async move {
             self.ctx.metrics.active_sessions.inc();
-            // The dispatcher drops the sender when it reaps this session or shuts down; queued
-            // records are still processed first.
-            while let Some(record) = self.rx.recv().await {
-                if self.ctx.abort.is_cancelled() {
-                    break;
+            // The dispatcher drops the sender when it reaps this session or shuts down (queued
+            // records are still processed first), or asks the task to park when it is idle.
+            'task: loop {
+                while let Some(record) = self.rx.recv().await {
+                    if self.ctx.abort.is_cancelled() {
+                        break 'task;
+                    }
+                    if record.lease.is_draining() || self.ctx.release_queued.is_cancelled() {
+                        self.ctx.producer.release(&record);
+                    } else if self.memory.recent.replays(&record) {
+                        self.ctx.metrics.replay_skipped.inc();
+                        self.ctx.producer.complete(&record);
+                    } else {
+                        // Boxed: the record's future (handler call, retries, produce) is large
+                        // and needed only while the session works; an idle session keeps only
+                        // its queue.
+                        Box::pin(self.process(record)).await;
+                    }
+                    self.rx.finished();
                 }
-                if record.lease.is_draining() || self.ctx.release_queued.is_cancelled() {
-                    self.ctx.producer.release(&record);
-                } else if self.recent.replays(&record) {
-                    self.ctx.metrics.replay_skipped.inc();
-                    self.ctx.producer.complete(&record);
-                } else {
-                    // Boxed: the record's future (handler call, retries, produce) is large and
-                    // needed only while the session works; an idle session keeps only its queue.
-                    Box::pin(self.process(record)).await;
+                match self.rx.park(std::mem::take(&mut self.memory)) {
+                    Ok(()) => break,
+                    // A record came after all: back to work, with the memory.
+                    Err(memory) => self.memory = memory,
                 }
-                self.rx.finished();
             }
             self.ctx.metrics.active_sessions.dec();
         }
@@ -226,7 +298,7 @@ impl<H: Handler> SessionTask<H> {
     /// Runs one record until it is settled (output or DLQ acknowledged), or releases it
     /// (abort, revocation).
     async fn process(&mut self, record: Box<InputRecord>) {
-        if self.entry.observe(record.lease.epoch, record.seq()) {
+        if self.memory.entry.observe(record.lease.epoch, record.seq()) {
             self.ctx
                 .metrics
                 .order_violations
@@ -257,7 +329,7 @@ impl<H: Handler> SessionTask<H> {
         .await;
         watch.finish(&self.ctx.metrics);
         if let (Settled::Done, Some(id)) = (settled, record.carried_event_id()) {
-            self.recent.insert(id, record.lease.epoch);
+            self.memory.recent.insert(id, record.lease.epoch);
         }
     }
 

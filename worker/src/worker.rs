@@ -207,7 +207,7 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         tokens,
     )?;
     tokio::spawn(crate::memory::trim_after_reaps(
-        metrics.active_sessions.clone(),
+        metrics.sessions.clone(),
         server_stop.clone(),
     ));
     let thread = std::thread::Builder::new()

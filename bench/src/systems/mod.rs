@@ -214,8 +214,8 @@ pub fn baseline_queue_settings(partitions: i32) -> [(&'static str, String); 2] {
 /// A started system.
 pub struct Running {
     stop: Box<dyn FnOnce() -> BoxFuture<'static, ()> + Send>,
-    /// Session tasks alive (sessionflow only).
-    pub active_sessions: Option<Box<dyn Fn() -> i64 + Send + Sync>>,
+    /// Sessions known, with a task or parked, until reaped (sessionflow only).
+    pub sessions: Option<Box<dyn Fn() -> i64 + Send + Sync>>,
 }
 
 impl Running {

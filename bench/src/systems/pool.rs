@@ -122,6 +122,6 @@ pub fn start(settings: &SystemSettings, core: Arc<Core>) -> anyhow::Result<Runni
             }
             .boxed()
         }),
-        active_sessions: None,
+        sessions: None,
     })
 }

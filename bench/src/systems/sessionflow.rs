@@ -125,6 +125,6 @@ pub async fn start(settings: &SystemSettings, core: Arc<Core>) -> anyhow::Result
             }
             .boxed()
         }),
-        active_sessions: Some(Box::new(move || metrics.active_sessions.get())),
+        sessions: Some(Box::new(move || metrics.sessions.get())),
     })
 }
