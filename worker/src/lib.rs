@@ -34,6 +34,7 @@ pub mod replay;
 pub mod retry;
 pub mod routing;
 pub mod session;
+pub mod session_id;
 pub mod settle;
 pub mod signal;
 pub mod stuck;

@@ -425,6 +425,11 @@ mod tests {
             });
             prop_assert_eq!(got, (0..n).collect::<Vec<_>>());
         }
+    }
+
+    proptest! {
+        // Explicit: the interleavings are the point, and each case is cheap (~5 ms).
+        #![proptest_config(ProptestConfig::with_cases(256))]
 
         /// Parking under races: the sender asks its receiver to park at random moments and
         /// starts a new one, with the memory the last one left, whenever a record comes back.

@@ -4,7 +4,9 @@
 
 use std::time::Duration;
 
-use sessionflow_tests::{brokers, builtin, produce_one, RecordingHandler, Topics};
+use sessionflow_tests::{
+    brokers, builtin, order_violations, produce_one, wait_until, RecordingHandler, Topics,
+};
 use sessionflow_worker::record::header;
 use sessionflow_worker::verify::read_topic;
 
@@ -45,5 +47,59 @@ async fn upstream_replays_are_not_processed_twice() {
         .filter_map(|r| r.header(header::EVENT_ID))
         .collect();
     assert_eq!(events, vec!["e1", "e2", "e3", "e4"]);
+    topics.delete().await;
+}
+
+/// A session parks when idle (its task ends, what it remembers waits in the dispatcher's map):
+/// an upstream replay arriving after that is still recognised, because the session's next
+/// task starts with the event ids the last one settled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_after_the_session_parked_is_still_skipped() {
+    let topics = Topics::create("replays-parked", 1).await;
+    let produce = |seq: u64, event: &'static str| {
+        let topic = topics.input.clone();
+        async move {
+            let seq = seq.to_string();
+            let headers = [(header::SEQ, seq.as_str()), (header::EVENT_ID, event)];
+            produce_one(&topic, Some("s1"), event, &headers).await;
+        }
+    };
+    produce(1, "e1").await;
+    produce(2, "e2").await;
+    let handler = RecordingHandler::new(|_, seq, _| Ok(Some(format!("out-{seq}").into_bytes())));
+    let mut stage = topics.stage(builtin(0.0, 0.0));
+    // Parked, never reaped while the test runs.
+    stage.session_idle_ms = 600_000;
+    let worker = sessionflow_worker::start(stage, handler.clone())
+        .await
+        .unwrap();
+    topics.wait_fully_committed(Duration::from_secs(60)).await;
+    let metrics = &worker.metrics;
+    wait_until(Duration::from_secs(30), || {
+        metrics.active_sessions.get() == 0 && metrics.sessions.get() == 1
+    })
+    .await
+    .expect("the idle session parks");
+    // The upstream stage restarted: e2 again, then e3.
+    produce(2, "e2").await;
+    produce(3, "e3").await;
+    topics.wait_fully_committed(Duration::from_secs(60)).await;
+    let skipped = metrics.replay_skipped.get();
+    let violations = order_violations(metrics);
+    worker.shutdown().await.unwrap();
+
+    let calls: Vec<u64> = handler.seen.lock().unwrap().attempts["s1"]
+        .iter()
+        .map(|(seq, _)| *seq)
+        .collect();
+    assert_eq!(calls, vec![1, 2, 3], "each event handled once");
+    assert_eq!(skipped, 1);
+    assert_eq!(violations, 0);
+    let out = read_topic(&brokers(), &topics.output, None, Duration::from_secs(30)).unwrap();
+    let events: Vec<&str> = out
+        .iter()
+        .filter_map(|r| r.header(header::EVENT_ID))
+        .collect();
+    assert_eq!(events, vec!["e1", "e2", "e3"]);
     topics.delete().await;
 }

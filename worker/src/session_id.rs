@@ -1,0 +1,119 @@
+//! A session's id as the dispatchers' maps hold it: the bytes themselves when they are short.
+//!
+//! Every session a dispatcher knows is a map entry keyed by its id, and the id must be a copy
+//! (the record's id is a view of the record's whole buffer, which the map would otherwise keep
+//! alive). A burst of a million sessions is a million keys; as an `Arc<[u8]>` each was one small
+//! allocation (32 bytes for a 15-byte id), and the allocator keeps books on every slab it ever
+//! had, for good (BENCHMARKS.md, *Sessions park*). Most ids are short (a user or conversation
+//! number), so an id of up to [`INLINE`] bytes is held in the key itself, in the map's own
+//! table; a longer one (a UUID's 36 characters) is shared behind an `Arc`, so a copy of the key
+//! (the dispatcher lists the sessions it tends) never allocates.
+//!
+//! It hashes and compares as its bytes, so the map is looked up with the record's `&[u8]`.
+
+use std::borrow::Borrow;
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+
+/// The longest id held inline: the key is then 24 bytes, an `Arc<[u8]>` and a tag.
+pub const INLINE: usize = 22;
+
+#[derive(Clone)]
+pub enum SessionId {
+    Inline { len: u8, bytes: [u8; INLINE] },
+    Shared(Arc<[u8]>),
+}
+
+impl SessionId {
+    pub fn new(id: &[u8]) -> Self {
+        if id.len() <= INLINE {
+            let mut bytes = [0; INLINE];
+            bytes[..id.len()].copy_from_slice(id);
+            Self::Inline {
+                len: id.len() as u8,
+                bytes,
+            }
+        } else {
+            Self::Shared(id.into())
+        }
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            Self::Inline { len, bytes } => &bytes[..*len as usize],
+            Self::Shared(id) => id,
+        }
+    }
+}
+
+impl Borrow<[u8]> for SessionId {
+    fn borrow(&self) -> &[u8] {
+        self.as_bytes()
+    }
+}
+
+// As `[u8]` does, so that `Borrow` lookups find the key.
+impl Hash for SessionId {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.as_bytes().hash(state);
+    }
+}
+
+impl PartialEq for SessionId {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_bytes() == other.as_bytes()
+    }
+}
+
+impl Eq for SessionId {}
+
+impl std::fmt::Debug for SessionId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", String::from_utf8_lossy(self.as_bytes()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn a_key_is_24_bytes_and_a_short_id_allocates_nothing() {
+        assert_eq!(std::mem::size_of::<SessionId>(), 24);
+        assert!(matches!(
+            SessionId::new(b"session-0000001"),
+            SessionId::Inline { .. }
+        ));
+        assert!(matches!(
+            SessionId::new(&[7; INLINE]),
+            SessionId::Inline { .. }
+        ));
+        assert!(matches!(
+            SessionId::new(&[7; INLINE + 1]),
+            SessionId::Shared(_)
+        ));
+    }
+
+    proptest! {
+        /// Any id, short or long: its bytes come back, and a map keyed by ids finds it by its
+        /// bytes and tells it from every other id.
+        #[test]
+        fn an_id_is_its_bytes(ids in proptest::collection::vec(
+            proptest::collection::vec(any::<u8>(), 0..40), 1..50)
+        ) {
+            let mut map = hashbrown::HashMap::new();
+            for (i, id) in ids.iter().enumerate() {
+                let key = SessionId::new(id);
+                prop_assert_eq!(key.as_bytes(), &id[..]);
+                prop_assert!(key.clone() == key);
+                map.entry(key).or_insert(i);
+            }
+            for id in &ids {
+                let first = ids.iter().position(|other| other == id).unwrap();
+                prop_assert_eq!(map.get(&id[..]), Some(&first));
+            }
+            prop_assert_eq!(map.get(&b"not an id of the test: longer than forty bytes"[..]), None);
+        }
+    }
+}
