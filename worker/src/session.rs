@@ -14,12 +14,14 @@
 //! counted and logged, and the same record is retried in place after a backoff; the session's
 //! queued records stay queued behind it.
 //!
-//! Session tasks exist only while a session is active; the dispatcher spawns them on a
-//! session's first record and drops them after `sessionIdleMs` without work. While alive, a task
-//! remembers the event ids it recently settled, so a record replayed upstream (the same event
-//! again, in the same assignment) is not processed and produced twice. An id enters that memory
-//! only once its result is acknowledged, so a skip never hides a loss; and it is honoured only
-//! within the assignment that settled it (see `RecentEvents`).
+//! Session tasks exist only while a session is active: the dispatcher spawns one on a record for
+//! a session without one, and a task with nothing to do for 250 ms parks (ends, handing what it
+//! remembers back to the dispatcher, see `SessionHandle`); the session itself is forgotten after
+//! `sessionIdleMs` without work. A session remembers the event ids it recently settled, so a
+//! record replayed upstream (the same event again, in the same assignment) is not processed and
+//! produced twice. An id enters that memory only once its result is acknowledged, so a skip
+//! never hides a loss; and it is honoured only within the assignment that settled it (see
+//! `RecentEvents`).
 
 use std::collections::VecDeque;
 use std::future::Future;
