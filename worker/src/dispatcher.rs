@@ -8,10 +8,10 @@
 //! routing is a consistent hash of the session id, one session always lands on the same
 //! dispatcher, hence on one task.
 //!
-//! Parking and reaping idle sessions is done here, by the only sender, so neither can race with
-//! a send: a session with nothing queued or running for `PARK_AFTER` gives up its task and
+//! Hibernation and reaping idle sessions is done here, by the only sender, so neither can race with
+//! a send: a session with nothing queued or running for `HIBERNATE_AFTER` gives up its task and
 //! keeps only its map entry (see `session::SessionHandle`); after `sessionIdleMs` it is dropped.
-//! Only the sessions with a task (the *awake* list) are looked at for parking, so a tick costs
+//! Only the sessions with a task (the *awake* list) are looked at for hibernation, so a tick costs
 //! what is running, not every session known.
 //!
 //! The session map is looked up once per record, so it hashes with foldhash (seeded per map)
@@ -31,22 +31,22 @@ use crate::session_id::SessionId;
 
 /// Records taken from the channel per wake-up, at most.
 const BATCH: usize = 128;
-/// How long a session with nothing to do keeps its task before it parks. A session that comes
+/// How long a session with nothing to do keeps its task before it hibernates. A session that comes
 /// back later pays for a new task (~1 µs); one idling meanwhile costs its task and queue
 /// (~300 bytes).
-pub const PARK_AFTER: Duration = Duration::from_millis(250);
+pub const HIBERNATE_AFTER: Duration = Duration::from_millis(250);
 
 pub struct Dispatcher<H> {
     rx: mpsc::Receiver<InputRecord>,
     /// Keyed by a copy of the id (see `session_id`).
     sessions: hashbrown::HashMap<SessionId, SessionHandle>,
-    /// The sessions to tend: each started a task since it was last found parked (some may
-    /// since have been reaped). Empty when sessions do not park.
+    /// The sessions to tend: each started a task since it was last found hibernated (some may
+    /// since have been reaped). Empty when sessions do not hibernate.
     awake: Vec<SessionId>,
     ctx: Arc<SessionContext<H>>,
     idle: Duration,
-    /// Parking only pays where sessions are kept longer than a task is.
-    parks: bool,
+    /// Hibernation only pays where sessions are kept longer than a task is.
+    hibernates: bool,
     tasks: TaskTracker,
 }
 
@@ -63,14 +63,18 @@ impl<H: Handler> Dispatcher<H> {
             awake: Vec::new(),
             ctx,
             idle,
-            parks: idle > PARK_AFTER,
+            hibernates: idle > HIBERNATE_AFTER,
             tasks,
         }
     }
 
     /// Runs until the consumer loop drops its sender; session tasks then finish what is queued.
     pub async fn run(mut self) {
-        let every = if self.parks { PARK_AFTER } else { self.idle } / 2;
+        let every = if self.hibernates {
+            HIBERNATE_AFTER
+        } else {
+            self.idle
+        } / 2;
         let mut tick = tokio::time::interval(every.max(Duration::from_millis(10)));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_reap = Instant::now();
@@ -89,8 +93,8 @@ impl<H: Handler> Dispatcher<H> {
                 }
                 _ = tick.tick() => {
                     let now = Instant::now();
-                    if self.parks {
-                        self.park(now);
+                    if self.hibernates {
+                        self.hibernate(now);
                     }
                     if now.duration_since(last_reap) >= self.idle / 2 {
                         self.reap(now);
@@ -112,7 +116,7 @@ impl<H: Handler> Dispatcher<H> {
             let sent = match self.sessions.get_key_value_mut(id) {
                 Some((key, handle)) => {
                     let sent = handle.send(record, &self.ctx, &self.tasks, now);
-                    if matches!(sent, Ok(Sent::Started)) && self.parks {
+                    if matches!(sent, Ok(Sent::Started)) && self.hibernates {
                         self.awake.push(key.clone());
                     }
                     sent.map(drop)
@@ -121,7 +125,7 @@ impl<H: Handler> Dispatcher<H> {
                     let key = SessionId::new(id);
                     let mut handle = SessionHandle::default();
                     let sent = handle.send(record, &self.ctx, &self.tasks, now);
-                    if self.parks {
+                    if self.hibernates {
                         self.awake.push(key.clone());
                     }
                     self.sessions.insert(key, handle);
@@ -147,13 +151,14 @@ impl<H: Handler> Dispatcher<H> {
         }
     }
 
-    /// Asks the awake sessions idle for `PARK_AFTER` to park, and forgets the ones that have.
-    fn park(&mut self, now: Instant) {
+    /// Asks the awake sessions idle for `HIBERNATE_AFTER` to hibernate, and forgets the ones that
+    /// have.
+    fn hibernate(&mut self, now: Instant) {
         let sessions = &mut self.sessions;
         self.awake.retain(|id| {
             sessions
                 .get_mut(id)
-                .is_some_and(|s| s.tend(now, PARK_AFTER))
+                .is_some_and(|s| s.tend(now, HIBERNATE_AFTER))
         });
     }
 
@@ -263,8 +268,8 @@ mod tests {
         }
     }
 
-    /// A dispatcher over `handler` whose sessions are kept for an hour (they park, if
-    /// `parks`, and are never reaped), fed and drained by the test.
+    /// A dispatcher over `handler` whose sessions are kept for an hour (they hibernate, if
+    /// `hibernates`, and are never reaped), fed and drained by the test.
     struct Harness<H> {
         ctx: Arc<SessionContext<H>>,
         done: crate::completion::CompletionReceiver,
@@ -275,13 +280,13 @@ mod tests {
     }
 
     impl<H: Handler> Harness<H> {
-        fn start(handler: H, parks: bool) -> Self {
+        fn start(handler: H, hibernates: bool) -> Self {
             let (ctx, done) = context(handler);
             let (tx, rx) = mpsc::channel(BATCH);
             let tasks = TaskTracker::new();
             let idle = Duration::from_secs(3_600);
             let mut dispatcher = Dispatcher::new(rx, ctx.clone(), idle, tasks.clone());
-            dispatcher.parks = parks;
+            dispatcher.hibernates = hibernates;
             Self {
                 ctx,
                 done,
@@ -309,9 +314,9 @@ mod tests {
             }
         }
 
-        /// Waits until every session task has parked (a minute at most: ~PARK_AFTER is
+        /// Waits until every session task has hibernated (a minute at most: ~HIBERNATE_AFTER is
         /// enough).
-        async fn parked(&self) {
+        async fn hibernated(&self) {
             let waiting = async {
                 while self.ctx.metrics.active_sessions.get() > 0 {
                     tokio::time::sleep(Duration::from_millis(10)).await;
@@ -319,7 +324,7 @@ mod tests {
             };
             tokio::time::timeout(Duration::from_secs(60), waiting)
                 .await
-                .expect("the idle sessions never parked");
+                .expect("the idle sessions never hibernated");
         }
 
         async fn stop(self) {
@@ -331,17 +336,17 @@ mod tests {
         }
     }
 
-    /// What an idle session keeps before it parks, once its records are done: its task, its
-    /// queue and its entry in the dispatcher's map. Until sessions parked, a burst of a million
+    /// What an idle session keeps before it hibernates, once its records are done: its task, its
+    /// queue and its entry in the dispatcher's map. Until sessions hibernated, a burst of a million
     /// users was that many times this (1,813 bytes with tokio's unbounded channel for the queue
     /// and an `async fn` task that held itself twice; 644 after that, 775 with only the
     /// `async fn` back; 552 since the ordering watchdog keeps a word of bits instead of a queue
-    /// of recent numbers; ~670–700 since the map entry holds what a parked session keeps).
+    /// of recent numbers; ~670–700 since the map entry holds what a hibernated session keeps).
     #[cfg(feature = "jemalloc")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn an_idle_session_keeps_under_750_bytes_until_it_parks() {
+    async fn an_idle_session_keeps_under_750_bytes_until_it_hibernates() {
         const SESSIONS: usize = 20_000;
-        // None parks while the test measures, however slow the build.
+        // None hibernates while the test measures, however slow the build.
         let h = Harness::start(Noop, false);
         let before = crate::memory::allocated_bytes().unwrap();
         h.send(0..SESSIONS, 1).await;
@@ -354,31 +359,31 @@ mod tests {
         h.stop().await;
     }
 
-    /// What a parked session keeps: its entry in the dispatcher's map (its id, its order
+    /// What a hibernated session keeps: its entry in the dispatcher's map (its id, its order
     /// watches and recent event ids) and its place on the list of sessions to tend, no task
-    /// and no queue: ~230 bytes (~700 while its task waits, 552 before sessions parked).
+    /// and no queue: ~230 bytes (~700 while its task waits, 552 before sessions hibernated).
     #[cfg(feature = "jemalloc")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_parked_session_keeps_under_300_bytes() {
+    async fn a_hibernated_session_keeps_under_300_bytes() {
         // Many: what the threads' allocation caches hold (counted as allocated) is spread thin.
         const SESSIONS: usize = 100_000;
         let h = Harness::start(Noop, true);
         let before = crate::memory::allocated_bytes().unwrap();
         h.send(0..SESSIONS, 1).await;
         h.settle(SESSIONS).await;
-        h.parked().await;
+        h.hibernated().await;
         let after = crate::memory::allocated_bytes().unwrap();
         let each = (after - before) / SESSIONS as u64;
-        println!("{each} bytes per parked session");
+        println!("{each} bytes per hibernated session");
         assert_eq!(h.ctx.metrics.sessions.get(), SESSIONS as i64);
-        assert!(each < 300, "{each} bytes per parked session");
+        assert!(each < 300, "{each} bytes per hibernated session");
         h.stop().await;
     }
 
-    /// A parked session's next task starts with what the last one remembered: an event settled
-    /// before the session parked is a replay after it (and is not processed again).
+    /// A hibernated session's next task starts with what the last one remembered: an event settled
+    /// before the session hibernated is a replay after it (and is not processed again).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_parked_session_starts_again_with_what_it_remembered() {
+    async fn a_hibernated_session_starts_again_with_what_it_remembered() {
         let h = Harness::start(Recording::default(), true);
         let event = |seq| {
             let mut r = record(7, seq, &h.lease);
@@ -390,7 +395,7 @@ mod tests {
         };
         h.tx.send(event(1)).await.unwrap();
         h.settle(1).await;
-        h.parked().await;
+        h.hibernated().await;
         h.tx.send(event(1)).await.unwrap();
         h.settle(1).await;
         assert_eq!(h.ctx.metrics.replay_skipped.get(), 1);
@@ -399,11 +404,11 @@ mod tests {
         h.stop().await;
     }
 
-    /// Records arriving while their sessions park (rounds spaced around the park time, so
-    /// sends meet tasks that are idle, asked to park, parked, or parked and not yet collected):
-    /// each session's records reach the handler once each, in order.
+    /// Records arriving while their sessions hibernate (rounds spaced around the hibernate time, so
+    /// sends meet tasks that are idle, asked to hibernate, hibernated, or hibernated and not yet
+    /// collected): each session's records reach the handler once each, in order.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn records_racing_with_parking_keep_their_order() {
+    async fn records_racing_with_hibernation_keep_their_order() {
         const SESSIONS: usize = 300;
         const ROUNDS: u64 = 8;
         let h = Harness::start(Recording::default(), true);
@@ -411,14 +416,14 @@ mod tests {
         for seq in 1..=ROUNDS {
             h.send(0..SESSIONS, seq).await;
             h.settle(SESSIONS).await;
-            // From well before the park to well after it.
-            let quiet = PARK_AFTER.mul_f64(0.5 + seq as f64 / ROUNDS as f64);
+            // From well before the hibernate to well after it.
+            let quiet = HIBERNATE_AFTER.mul_f64(0.5 + seq as f64 / ROUNDS as f64);
             tokio::time::sleep(quiet).await;
             fewest_tasks = fewest_tasks.min(h.ctx.metrics.active_sessions.get());
         }
         assert!(
             fewest_tasks < SESSIONS as i64,
-            "no session ever parked: the test did not test parking"
+            "no session ever hibernated: the test did not test hibernation"
         );
         let calls = h.ctx.handler.0.lock().unwrap().clone();
         assert_eq!(calls.len(), SESSIONS * ROUNDS as usize);

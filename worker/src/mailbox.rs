@@ -12,14 +12,14 @@
 //! The queue also counts the records handed over and not yet *finished* (taken and processed):
 //! the dispatcher reaps a session only when that count is zero.
 //!
-//! And it is how a session *parks*: an idle session's task ends, and what the task remembers
-//! (`K`: its order watch, its recent event ids) goes back to the dispatcher, which keeps it in
-//! its map until the session's next record starts a new task with it, or until the session is
-//! reaped. The dispatcher asks ([`Sender::ask_to_park`]); the task, finding its queue empty,
-//! leaves its memory in the mailbox ([`Receiver::park`]); the dispatcher takes it
-//! ([`Sender::parked`]) and drops the mailbox. Each step is one look under the lock, so a record
-//! sent at any point in between is never lost: either the task sees it and goes on, or the send
-//! finds the task gone and hands the record back to the dispatcher, which starts a new task.
+//! And it is how a session *hibernates*: an idle session's task ends, and what the task remembers
+//! (`K`: its order watch, its recent event ids) goes back to the dispatcher, which keeps it in its
+//! map until the session's next record starts a new task with it, or until the session is reaped.
+//! The dispatcher asks ([`Sender::ask_to_hibernate`]); the task, finding its queue empty, leaves
+//! its memory in the mailbox ([`Receiver::hibernate`]); the dispatcher takes it
+//! ([`Sender::hibernated`]) and drops the mailbox. Each step is one look under the lock, so a
+//! record sent at any point in between is never lost: either the task sees it and goes on, or the
+//! send finds the task gone and hands the record back to the dispatcher, which starts a new task.
 
 use std::collections::VecDeque;
 use std::future::poll_fn;
@@ -36,7 +36,7 @@ pub fn mailbox<T, K>() -> (Sender<T, K>, Receiver<T, K>) {
             queue: VecDeque::new(),
             sender: true,
             receiver: true,
-            park: false,
+            hibernate: false,
             kept: None,
         }),
         task: AtomicWaker::new(),
@@ -63,9 +63,9 @@ struct State<T, K> {
     /// Each end, while it lives.
     sender: bool,
     receiver: bool,
-    /// The sender asked the receiver to park once nothing is queued; a send withdraws it.
-    park: bool,
-    /// What a parked receiver left for the sender.
+    /// The sender asked the receiver to hibernate once nothing is queued; a send withdraws it.
+    hibernate: bool,
+    /// What a hibernated receiver left for the sender.
     kept: Option<K>,
 }
 
@@ -83,7 +83,7 @@ pub struct Sender<T, K> {
 }
 
 impl<T, K> Sender<T, K> {
-    /// Queues `item` behind the earlier ones; hands it back if the receiver is gone (parked or
+    /// Queues `item` behind the earlier ones; hands it back if the receiver is gone (hibernated or
     /// ended).
     pub fn send(&self, item: T) -> Result<(), T> {
         {
@@ -94,22 +94,22 @@ impl<T, K> Sender<T, K> {
             // Counted before the receiver can take it (and finish it).
             self.shared.unfinished.fetch_add(1, Ordering::AcqRel);
             state.queue.push_back(item);
-            state.park = false;
+            state.hibernate = false;
         }
         self.shared.task.wake();
         Ok(())
     }
 
-    /// Asks the receiver to park once it has nothing queued (its `recv` then ends); the next
+    /// Asks the receiver to hibernate once it has nothing queued (its `recv` then ends); the next
     /// send withdraws the request.
-    pub fn ask_to_park(&self) {
-        self.shared.state().park = true;
+    pub fn ask_to_hibernate(&self) {
+        self.shared.state().hibernate = true;
         self.shared.task.wake();
     }
 
-    /// What the receiver left when it parked; `None` while it runs (or if it ended without
-    /// parking).
-    pub fn parked(&self) -> Option<K> {
+    /// What the receiver left when it hibernated; `None` while it runs (or if it ended without
+    /// hibernation).
+    pub fn hibernated(&self) -> Option<K> {
         let mut state = self.shared.state();
         if state.receiver {
             return None;
@@ -137,7 +137,7 @@ pub struct Receiver<T, K> {
 
 impl<T, K> Receiver<T, K> {
     /// The next record, or `None` once nothing is left and the sender is gone or has asked
-    /// this end to park (see [`Receiver::park`]).
+    /// this end to hibernate (see [`Receiver::hibernate`]).
     pub async fn recv(&mut self) -> Option<T> {
         poll_fn(|cx| {
             if let Some(ready) = self.try_recv() {
@@ -167,18 +167,18 @@ impl<T, K> Receiver<T, K> {
                 }
                 Some(Some(item))
             }
-            None if !state.sender || state.park => Some(None),
+            None if !state.sender || state.hibernate => Some(None),
             None => None,
         }
     }
 
-    /// Called when `recv` ended: `Ok` when this end is done, having left `kept` for the
-    /// sender and detached (the sender still asks it to park and nothing is queued), or because
-    /// the sender is gone; otherwise `kept` comes back (a record came meanwhile: take it). A
-    /// detached receiver takes nothing more: later sends come back to the sender.
-    pub fn park(&mut self, kept: K) -> Result<(), K> {
+    /// Called when `recv` ended: `Ok` when this end is done, having left `kept` for the sender and
+    /// detached (the sender still asks it to hibernate and nothing is queued), or because the
+    /// sender is gone; otherwise `kept` comes back (a record came meanwhile: take it). A detached
+    /// receiver takes nothing more: later sends come back to the sender.
+    pub fn hibernate(&mut self, kept: K) -> Result<(), K> {
         let mut state = self.shared.state();
-        if state.sender && (!state.park || !state.queue.is_empty()) {
+        if state.sender && (!state.hibernate || !state.queue.is_empty()) {
             return Err(kept);
         }
         state.receiver = false;
@@ -291,57 +291,61 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_parked_receiver_leaves_its_memory_and_later_records_come_back() {
+    async fn a_hibernated_receiver_leaves_its_memory_and_later_records_come_back() {
         let (tx, mut rx) = mailbox::<_, &str>();
         tx.send(1).unwrap();
-        tx.ask_to_park();
+        tx.ask_to_hibernate();
         assert_eq!(rx.recv().await, Some(1), "what is queued comes first");
         rx.finished();
         assert_eq!(rx.recv().await, None);
-        assert_eq!(tx.parked(), None, "not parked yet");
-        assert_eq!(rx.park("memory"), Ok(()));
-        assert_eq!(tx.parked(), Some("memory"));
-        assert_eq!(tx.send(2), Err(2), "a parked receiver takes nothing");
+        assert_eq!(tx.hibernated(), None, "not hibernated yet");
+        assert_eq!(rx.hibernate("memory"), Ok(()));
+        assert_eq!(tx.hibernated(), Some("memory"));
+        assert_eq!(tx.send(2), Err(2), "a hibernated receiver takes nothing");
         assert_eq!(tx.unfinished(), 0);
     }
 
     #[tokio::test]
     async fn a_record_sent_after_the_ask_withdraws_it() {
         let (tx, mut rx) = mailbox::<_, &str>();
-        tx.ask_to_park();
+        tx.ask_to_hibernate();
         tx.send(1).unwrap();
         assert_eq!(rx.recv().await, Some(1));
         assert_eq!(rx.try_recv(), None, "waits for the next record");
-        assert_eq!(rx.park("memory"), Err("memory"));
-        assert_eq!(tx.parked(), None);
+        assert_eq!(rx.hibernate("memory"), Err("memory"));
+        assert_eq!(tx.hibernated(), None);
     }
 
     #[tokio::test]
-    async fn a_record_sent_between_the_end_of_recv_and_park_keeps_the_receiver() {
+    async fn a_record_sent_between_the_end_of_recv_and_hibernate_keeps_the_receiver() {
         let (tx, mut rx) = mailbox::<_, &str>();
-        tx.ask_to_park();
+        tx.ask_to_hibernate();
         assert_eq!(rx.recv().await, None);
         tx.send(1).unwrap();
-        assert_eq!(rx.park("memory"), Err("memory"), "a record came: take it");
+        assert_eq!(
+            rx.hibernate("memory"),
+            Err("memory"),
+            "a record came: take it"
+        );
         // Asked again with the record still queued (the dispatcher asks only idle sessions,
         // but the queue is what decides).
-        tx.ask_to_park();
+        tx.ask_to_hibernate();
         assert_eq!(
-            rx.park("memory"),
+            rx.hibernate("memory"),
             Err("memory"),
             "a record is queued: take it"
         );
-        assert_eq!(tx.parked(), None);
+        assert_eq!(tx.hibernated(), None);
         assert_eq!(rx.recv().await, Some(1));
     }
 
     #[test]
-    fn a_receiver_not_asked_does_not_park_and_one_whose_sender_left_is_done() {
+    fn a_receiver_not_asked_does_not_hibernate_and_one_whose_sender_left_is_done() {
         let (tx, mut rx) = mailbox::<u8, &str>();
-        assert_eq!(rx.park("memory"), Err("memory"));
+        assert_eq!(rx.hibernate("memory"), Err("memory"));
         drop(tx);
         assert_eq!(rx.try_recv(), Some(None));
-        assert_eq!(rx.park("memory"), Ok(()));
+        assert_eq!(rx.hibernate("memory"), Ok(()));
     }
 
     /// The sender sends each record the moment the previous one is finished, which is when the
@@ -374,8 +378,8 @@ mod tests {
         assert_eq!(receiver.join().unwrap(), ROUNDS);
     }
 
-    /// A receiver task for the parking test: takes records, checking each against what its
-    /// predecessors remembered, until it parks or the sender is gone.
+    /// A receiver task for the hibernation test: takes records, checking each against what its
+    /// predecessors remembered, until it hibernates or the sender is gone.
     async fn remembering_receiver(
         mut rx: Receiver<usize, usize>,
         mut next: usize,
@@ -387,7 +391,7 @@ mod tests {
                 next += 1;
                 rx.finished();
             }
-            match rx.park(next) {
+            match rx.hibernate(next) {
                 Ok(()) => return,
                 Err(kept) => next = kept,
             }
@@ -431,12 +435,12 @@ mod tests {
         // Explicit: the interleavings are the point, and each case is cheap (~5 ms).
         #![proptest_config(ProptestConfig::with_cases(256))]
 
-        /// Parking under races: the sender asks its receiver to park at random moments and
+        /// Hibernation under races: the sender asks its receiver to hibernate at random moments and
         /// starts a new one, with the memory the last one left, whenever a record comes back.
         /// Every record arrives once, in order, and each receiver starts where the last one
         /// stopped.
         #[test]
-        fn parking_loses_nothing_and_hands_the_memory_on(
+        fn hibernation_loses_nothing_and_hands_the_memory_on(
             asks in proptest::collection::vec(proptest::bool::weighted(0.3), 1..1_500)
         ) {
             let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -451,19 +455,21 @@ mod tests {
                 async move {
                     tokio::task::spawn_blocking(move || {
                         let (mut tx, rx) = mailbox::<usize, usize>();
-                        let mut receivers = vec![handle.spawn(remembering_receiver(rx, 0, seen.clone()))];
+                        let first = remembering_receiver(rx, 0, seen.clone());
+                        let mut receivers = vec![handle.spawn(first)];
                         for (i, ask) in asks.into_iter().enumerate() {
                             if ask {
-                                tx.ask_to_park();
+                                tx.ask_to_hibernate();
                                 if i % 3 == 0 {
                                     std::thread::yield_now();
                                 }
                             }
                             if let Err(back) = tx.send(i) {
-                                let next = tx.parked().expect("a receiver only leaves by parking");
+                                let next = tx.hibernated().expect("it left by hibernating");
                                 let (new_tx, rx) = mailbox();
                                 tx = new_tx;
-                                receivers.push(handle.spawn(remembering_receiver(rx, next, seen.clone())));
+                                let receiver = remembering_receiver(rx, next, seen.clone());
+                                receivers.push(handle.spawn(receiver));
                                 tx.send(back).unwrap();
                             }
                         }

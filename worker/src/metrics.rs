@@ -159,7 +159,7 @@ impl Metrics {
         let active_sessions = gauge("active_sessions", "Session tasks alive.");
         let sessions = gauge(
             "sessions",
-            "Sessions known: with a task, or parked (idle, no task) until reaped after \
+            "Sessions known: with a task, or hibernated (idle, no task) until reaped after \
              sessionIdleMs.",
         );
         let paused_partitions = gauge(

@@ -14,14 +14,13 @@
 //! counted and logged, and the same record is retried in place after a backoff; the session's
 //! queued records stay queued behind it.
 //!
-//! Session tasks exist only while a session is active: the dispatcher spawns one on a record for
-//! a session without one, and a task with nothing to do for 250 ms parks (ends, handing what it
+//! Session tasks exist only while a session is active: the dispatcher spawns one on a record for a
+//! session without one, and a task with nothing to do for 250 ms hibernates (ends, handing what it
 //! remembers back to the dispatcher, see `SessionHandle`); the session itself is forgotten after
-//! `sessionIdleMs` without work. A session remembers the event ids it recently settled, so a
-//! record replayed upstream (the same event again, in the same assignment) is not processed and
-//! produced twice. An id enters that memory only once its result is acknowledged, so a skip
-//! never hides a loss; and it is honoured only within the assignment that settled it (see
-//! `RecentEvents`).
+//! `sessionIdleMs` without work. A session remembers the event ids it recently settled, so a record
+//! replayed upstream (the same event again, in the same assignment) is not processed and produced
+//! twice. An id enters that memory only once its result is acknowledged, so a skip never hides a
+//! loss; and it is honoured only within the assignment that settled it (see `RecentEvents`).
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -77,26 +76,26 @@ impl<H> SessionContext<H> {
     }
 }
 
-/// A session as its dispatcher sees it: the queue of its running task, or, while it is parked,
+/// A session as its dispatcher sees it: the queue of its running task, or, while it is hibernated,
 /// what its last task remembered.
 ///
 /// A session with nothing to do keeps its task for a while (a new task per record would cost a
-/// spawn per record), then *parks*: the task ends and its memory (order watch, recent event
+/// spawn per record), then *hibernates*: the task ends and its memory (order watch, recent event
 /// ids) comes back here, a few words in the dispatcher's map, until the next record starts a
 /// task with it or the session is reaped. A million sessions idling between two messages then
 /// cost their map entries, not a million tasks and queues (see `mailbox`).
 #[derive(Default)]
 pub struct SessionHandle {
     /// Boxed records: the queue's slots stay allocated while the task lives (a few for an
-    /// idle one, see `mailbox`); a pointer each instead of a whole record. `None`: parked.
+    /// idle one, see `mailbox`); a pointer each instead of a whole record. `None`: hibernated.
     tx: Option<mailbox::Sender<Box<InputRecord>, Memory>>,
-    /// What the session's last task left when it parked (the default while a task runs).
+    /// What the session's last task left when it hibernated (the default while a task runs).
     kept: Memory,
     last_active: Option<Instant>,
     /// Order check of the records as they reach the session (the watchdog's "intake").
     intake: SeqWatch,
     /// On the dispatcher's list of sessions to tend (from its task's start until it is found
-    /// parked).
+    /// hibernated).
     listed: bool,
 }
 
@@ -113,7 +112,7 @@ pub struct Memory {
 pub enum Sent {
     /// Queued for the session's task.
     Queued,
-    /// Queued for a task started for it (the session was new or parked), and the session is
+    /// Queued for a task started for it (the session was new or hibernated), and the session is
     /// not on the dispatcher's list to tend: list it.
     Started,
 }
@@ -121,7 +120,7 @@ pub enum Sent {
 impl SessionHandle {
     /// Queues a record behind the session's earlier ones, `now` being the time it arrived,
     /// starting a task on `tasks` if the session has none. Returns the record if the task
-    /// ended without parking (aborted).
+    /// ended without hibernation (aborted).
     // Handing the record back (a move, not a copy) is the point of the error variant.
     #[allow(clippy::result_large_err)]
     pub fn send<H: Handler>(
@@ -144,8 +143,8 @@ impl SessionHandle {
         if let Some(tx) = &self.tx {
             match tx.send(record) {
                 Ok(()) => return Ok(Sent::Queued),
-                // Parked since the dispatcher last looked: a new task takes over its memory.
-                Err(back) => match tx.parked() {
+                // Hibernated since the dispatcher last looked: a new task takes over its memory.
+                Err(back) => match tx.hibernated() {
                     Some(kept) => {
                         self.kept = kept;
                         record = back;
@@ -170,22 +169,22 @@ impl SessionHandle {
         Ok(Sent::Started)
     }
 
-    /// Looks after a listed session: asks its task to park once the session has been idle for
-    /// `park_after`, and takes its memory back once it has. False when it has no task any more
+    /// Looks after a listed session: asks its task to hibernate once the session has been idle for
+    /// `hibernate_after`, and takes its memory back once it has. False when it has no task any more
     /// (and is off the list).
-    pub fn tend(&mut self, now: Instant, park_after: std::time::Duration) -> bool {
+    pub fn tend(&mut self, now: Instant, hibernate_after: std::time::Duration) -> bool {
         let Some(tx) = &self.tx else {
             self.listed = false;
             return false;
         };
-        if let Some(kept) = tx.parked() {
+        if let Some(kept) = tx.hibernated() {
             self.kept = kept;
             self.tx = None;
             self.listed = false;
             return false;
         }
-        if self.is_idle(now, park_after) {
-            tx.ask_to_park();
+        if self.is_idle(now, hibernate_after) {
+            tx.ask_to_hibernate();
         }
         true
     }
@@ -268,7 +267,7 @@ impl<H: Handler> SessionTask<H> {
         async move {
             self.ctx.metrics.active_sessions.inc();
             // The dispatcher drops the sender when it reaps this session or shuts down (queued
-            // records are still processed first), or asks the task to park when it is idle.
+            // records are still processed first), or asks the task to hibernate when it is idle.
             'task: loop {
                 while let Some(record) = self.rx.recv().await {
                     if self.ctx.abort.is_cancelled() {
@@ -287,7 +286,7 @@ impl<H: Handler> SessionTask<H> {
                     }
                     self.rx.finished();
                 }
-                match self.rx.park(std::mem::take(&mut self.memory)) {
+                match self.rx.hibernate(std::mem::take(&mut self.memory)) {
                     Ok(()) => break,
                     // A record came after all: back to work, with the memory.
                     Err(memory) => self.memory = memory,

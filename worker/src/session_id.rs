@@ -4,7 +4,7 @@
 //! (the record's id is a view of the record's whole buffer, which the map would otherwise keep
 //! alive). A burst of a million sessions is a million keys; as an `Arc<[u8]>` each was one small
 //! allocation (32 bytes for a 15-byte id), and the allocator keeps books on every slab it ever
-//! had, for good (BENCHMARKS.md, *Sessions park*). Most ids are short (a user or conversation
+//! had, for good (BENCHMARKS.md, *Sessions hibernate*). Most ids are short (a user or conversation
 //! number), so an id of up to [`INLINE`] bytes is held in the key itself, in the map's own
 //! table; a longer one (a UUID's 36 characters) is shared behind an `Arc`, so a copy of the key
 //! (the dispatcher lists the sessions it tends) never allocates.

@@ -50,12 +50,12 @@ async fn upstream_replays_are_not_processed_twice() {
     topics.delete().await;
 }
 
-/// A session parks when idle (its task ends, what it remembers waits in the dispatcher's map):
+/// A session hibernates when idle (its task ends, what it remembers waits in the dispatcher's map):
 /// an upstream replay arriving after that is still recognised, because the session's next
 /// task starts with the event ids the last one settled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replay_after_the_session_parked_is_still_skipped() {
-    let topics = Topics::create("replays-parked", 1).await;
+async fn a_replay_after_the_session_hibernated_is_still_skipped() {
+    let topics = Topics::create("replays-hibernated", 1).await;
     let produce = |seq: u64, event: &'static str| {
         let topic = topics.input.clone();
         async move {
@@ -68,7 +68,7 @@ async fn a_replay_after_the_session_parked_is_still_skipped() {
     produce(2, "e2").await;
     let handler = RecordingHandler::new(|_, seq, _| Ok(Some(format!("out-{seq}").into_bytes())));
     let mut stage = topics.stage(builtin(0.0, 0.0));
-    // Parked, never reaped while the test runs.
+    // Hibernated, never reaped while the test runs.
     stage.session_idle_ms = 600_000;
     let worker = sessionflow_worker::start(stage, handler.clone())
         .await
@@ -79,7 +79,7 @@ async fn a_replay_after_the_session_parked_is_still_skipped() {
         metrics.active_sessions.get() == 0 && metrics.sessions.get() == 1
     })
     .await
-    .expect("the idle session parks");
+    .expect("the idle session hibernates");
     // The upstream stage restarted: e2 again, then e3.
     produce(2, "e2").await;
     produce(3, "e3").await;
