@@ -327,6 +327,20 @@ mod tests {
                 .expect("the idle sessions never hibernated");
         }
 
+        /// Heap bytes per session after one record to each of `sessions` is done (and, with
+        /// `hibernated`, every session has hibernated).
+        #[cfg(feature = "jemalloc")]
+        async fn bytes_per_session(&self, sessions: usize, hibernated: bool) -> u64 {
+            let before = crate::memory::allocated_bytes().unwrap();
+            self.send(0..sessions, 1).await;
+            self.settle(sessions).await;
+            if hibernated {
+                self.hibernated().await;
+            }
+            let after = crate::memory::allocated_bytes().unwrap();
+            (after - before) / sessions as u64
+        }
+
         async fn stop(self) {
             drop(self.tx);
             self.dispatcher.await.unwrap();
@@ -348,11 +362,7 @@ mod tests {
         const SESSIONS: usize = 20_000;
         // None hibernates while the test measures, however slow the build.
         let h = Harness::start(Noop, false);
-        let before = crate::memory::allocated_bytes().unwrap();
-        h.send(0..SESSIONS, 1).await;
-        h.settle(SESSIONS).await;
-        let after = crate::memory::allocated_bytes().unwrap();
-        let each = (after - before) / SESSIONS as u64;
+        let each = h.bytes_per_session(SESSIONS, false).await;
         println!("{each} bytes per idle session");
         assert_eq!(h.ctx.metrics.active_sessions.get(), SESSIONS as i64);
         assert!(each < 750, "{each} bytes per idle session");
@@ -368,12 +378,7 @@ mod tests {
         // Many: what the threads' allocation caches hold (counted as allocated) is spread thin.
         const SESSIONS: usize = 100_000;
         let h = Harness::start(Noop, true);
-        let before = crate::memory::allocated_bytes().unwrap();
-        h.send(0..SESSIONS, 1).await;
-        h.settle(SESSIONS).await;
-        h.hibernated().await;
-        let after = crate::memory::allocated_bytes().unwrap();
-        let each = (after - before) / SESSIONS as u64;
+        let each = h.bytes_per_session(SESSIONS, true).await;
         println!("{each} bytes per hibernated session");
         assert_eq!(h.ctx.metrics.sessions.get(), SESSIONS as i64);
         assert!(each < 300, "{each} bytes per hibernated session");

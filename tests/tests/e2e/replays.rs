@@ -10,6 +10,23 @@ use sessionflow_tests::{
 use sessionflow_worker::record::header;
 use sessionflow_worker::verify::read_topic;
 
+/// The sequence numbers `session`'s handler calls were made with, in order.
+fn handled(handler: &RecordingHandler, session: &str) -> Vec<u64> {
+    handler.seen.lock().unwrap().attempts[session]
+        .iter()
+        .map(|(seq, _)| *seq)
+        .collect()
+}
+
+/// The event ids on the stage's output, in order.
+fn output_events(topics: &Topics) -> Vec<String> {
+    read_topic(&brokers(), &topics.output, None, Duration::from_secs(30))
+        .unwrap()
+        .iter()
+        .filter_map(|r| r.header(header::EVENT_ID).map(str::to_owned))
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_replays_are_not_processed_twice() {
     let topics = Topics::create("replays", 1).await;
@@ -35,17 +52,10 @@ async fn upstream_replays_are_not_processed_twice() {
     let skipped = worker.metrics.replay_skipped.get();
     worker.shutdown().await.unwrap();
 
-    let calls: Vec<u64> = handler.seen.lock().unwrap().attempts["s1"]
-        .iter()
-        .map(|(seq, _)| *seq)
-        .collect();
+    let calls = handled(&handler, "s1");
     assert_eq!(calls, vec![1, 2, 3, 4], "each event handled once");
     assert_eq!(skipped, 2);
-    let out = read_topic(&brokers(), &topics.output, None, Duration::from_secs(30)).unwrap();
-    let events: Vec<&str> = out
-        .iter()
-        .filter_map(|r| r.header(header::EVENT_ID))
-        .collect();
+    let events = output_events(&topics);
     assert_eq!(events, vec!["e1", "e2", "e3", "e4"]);
     topics.delete().await;
 }
@@ -88,18 +98,11 @@ async fn a_replay_after_the_session_hibernated_is_still_skipped() {
     let violations = order_violations(metrics);
     worker.shutdown().await.unwrap();
 
-    let calls: Vec<u64> = handler.seen.lock().unwrap().attempts["s1"]
-        .iter()
-        .map(|(seq, _)| *seq)
-        .collect();
+    let calls = handled(&handler, "s1");
     assert_eq!(calls, vec![1, 2, 3], "each event handled once");
     assert_eq!(skipped, 1);
     assert_eq!(violations, 0);
-    let out = read_topic(&brokers(), &topics.output, None, Duration::from_secs(30)).unwrap();
-    let events: Vec<&str> = out
-        .iter()
-        .filter_map(|r| r.header(header::EVENT_ID))
-        .collect();
+    let events = output_events(&topics);
     assert_eq!(events, vec!["e1", "e2", "e3"]);
     topics.delete().await;
 }
