@@ -98,17 +98,19 @@ mod tests {
     use std::sync::Arc;
 
     fn rec(offset: i64) -> InputRecord {
-        InputRecord {
-            topic: "t".into(),
-            partition: 0,
+        let parts = crate::record::Parts {
+            key: Some(b"s"),
+            ..Default::default()
+        };
+        let source = crate::config::SessionSource::Key;
+        InputRecord::new(
+            "t".into(),
+            0,
             offset,
-            key: None,
-            value: None,
-            headers: vec![],
-            session: Some("s".into()),
-            seq: None,
-            lease: Arc::new(Lease::new(0, 0)),
-        }
+            parts,
+            &source,
+            Arc::new(Lease::new(0, 0)),
+        )
     }
 
     #[test]

@@ -110,8 +110,7 @@ impl<H: Handler> Dispatcher<H> {
         let mut record = record;
         loop {
             let id = record
-                .session
-                .as_deref()
+                .session()
                 .expect("the consumer loop routes only records with a session");
             let sent = match self.sessions.get_key_value_mut(id) {
                 Some((key, handle)) => {
@@ -137,8 +136,8 @@ impl<H: Handler> Dispatcher<H> {
                 Ok(()) => return,
                 Err(back) => {
                     // The task ended (aborted); start a fresh one for this record.
-                    if let Some(session) = &back.session {
-                        if self.sessions.remove(&session[..]).is_some() {
+                    if let Some(session) = back.session() {
+                        if self.sessions.remove(session).is_some() {
                             self.ctx.metrics.sessions.dec();
                         }
                     }
@@ -192,7 +191,6 @@ mod tests {
     use crate::signal::Signal;
     use crate::stuck::{StuckAction, StuckPolicy};
     use crate::HandlerResult;
-    use bytes::Bytes;
 
     struct Noop;
 
@@ -204,11 +202,11 @@ mod tests {
 
     /// The handler calls, in the order they began: (session, seq).
     #[derive(Default)]
-    struct Recording(std::sync::Mutex<Vec<(Bytes, u64)>>);
+    struct Recording(std::sync::Mutex<Vec<(Vec<u8>, u64)>>);
 
     impl Handler for Recording {
         async fn handle(&self, record: &InputRecord, _: u32) -> HandlerResult {
-            let call = (record.session.clone().unwrap(), record.seq().unwrap());
+            let call = (record.session().unwrap().to_vec(), record.seq().unwrap());
             self.0.lock().unwrap().push(call);
             Ok(None)
         }
@@ -255,17 +253,27 @@ mod tests {
     }
 
     fn record(session: usize, seq: u64, lease: &Arc<Lease>) -> InputRecord {
-        InputRecord {
-            topic: "t".into(),
-            partition: 0,
-            offset: session as i64,
-            key: None,
-            value: Some(Bytes::from_static(b"v")),
-            headers: vec![],
-            session: Some(format!("session-{session:07}").into()),
-            seq: Some(seq),
-            lease: lease.clone(),
-        }
+        record_with(session, seq, lease, None)
+    }
+
+    /// A record of `session-NNNNNNN` (its key) numbered `seq`, carrying `event` as its event id.
+    fn record_with(
+        session: usize,
+        seq: u64,
+        lease: &Arc<Lease>,
+        event: Option<&[u8]>,
+    ) -> InputRecord {
+        use crate::record::{header, Parts};
+        let (key, seq) = (format!("session-{session:07}"), seq.to_string());
+        let mut headers = vec![(header::SEQ, Some(seq.as_bytes()))];
+        headers.extend(event.map(|e| (header::EVENT_ID, Some(e))));
+        let parts = Parts {
+            key: Some(key.as_bytes()),
+            value: Some(b"v"),
+            headers: &headers,
+        };
+        let source = crate::config::SessionSource::Key;
+        InputRecord::new("t".into(), 0, session as i64, parts, &source, lease.clone())
     }
 
     /// A dispatcher over `handler` whose sessions are kept for an hour (they hibernate, if
@@ -390,14 +398,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_hibernated_session_starts_again_with_what_it_remembered() {
         let h = Harness::start(Recording::default(), true);
-        let event = |seq| {
-            let mut r = record(7, seq, &h.lease);
-            r.headers.push((
-                crate::record::header::EVENT_ID.into(),
-                Some(Bytes::from_static(b"event-7")),
-            ));
-            r
-        };
+        let event = |seq| record_with(7, seq, &h.lease, Some(b"event-7"));
         h.tx.send(event(1)).await.unwrap();
         h.settle(1).await;
         h.hibernated().await;

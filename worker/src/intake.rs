@@ -940,7 +940,7 @@ impl IntakeLoop {
         state.unreleased += 1;
         let record =
             InputRecord::from_message(message, book.topic.clone(), &ctx.settings.session, lease);
-        if record.session.is_none() {
+        if record.session().is_none() {
             let producer = self.producer.clone();
             let metrics = ctx.metrics.clone();
             let health = ctx.health.clone();
@@ -962,9 +962,7 @@ impl IntakeLoop {
         } else if !state.pending.is_empty() {
             state.pending.park(record);
         } else {
-            let d = self
-                .router
-                .route(record.session.as_deref().unwrap_or_default());
+            let d = self.router.route(record.session().unwrap_or_default());
             match offer(&self.dispatchers[d], record) {
                 Offer::Taken => {}
                 Offer::Full(record) => state.pending.park(record),
@@ -1000,9 +998,7 @@ impl IntakeLoop {
         for (p, state) in book.partitions.iter_mut() {
             if !state.pending.is_empty() {
                 let (_, closed) = state.pending.drain(|record| {
-                    let d = self
-                        .router
-                        .route(record.session.as_deref().unwrap_or_default());
+                    let d = self.router.route(record.session().unwrap_or_default());
                     offer(&self.dispatchers[d], record)
                 });
                 state.unreleased = state.unreleased.saturating_sub(closed.len());

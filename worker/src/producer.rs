@@ -201,7 +201,7 @@ impl StageProducer {
             extra.push((header::TRACEPARENT, traceparent.as_bytes()));
         }
         let headers = record.headers_with(&[header::EVENT_ID, header::TRACEPARENT], &extra);
-        let key = record.session.as_deref().unwrap_or_default();
+        let key = record.session().unwrap_or_default();
         let ack = self
             .enqueue(topic, Some(key), Some(payload), headers)
             .await
@@ -223,12 +223,7 @@ impl StageProducer {
     ) -> Result<(), WriteError> {
         let headers = dlq_headers(record, &self.inner.stage, reason, error, attempts);
         let ack = self
-            .enqueue(
-                &self.inner.dlq,
-                record.key.as_deref(),
-                record.value.as_deref(),
-                headers,
-            )
+            .enqueue(&self.inner.dlq, record.key(), record.value(), headers)
             .await
             .map_err(WriteError::Refused);
         let ack = self.check_fatal(ack)?;

@@ -10,9 +10,9 @@ use std::borrow::Cow;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use bytes::{Bytes, BytesMut};
 use rdkafka::message::{Headers, OwnedHeaders};
 use rdkafka::Message;
+use smallvec::SmallVec;
 
 use crate::config::SessionSource;
 use crate::offsets::{Offset, Partition};
@@ -154,27 +154,47 @@ impl Drop for WritePermit {
 /// A header name: the names sessionflow knows are shared, any other is the record's own copy.
 pub type HeaderName = Cow<'static, str>;
 
+/// Where one piece of a record (key, value, a header's value) lies in its buffer. A record's
+/// pieces together are one Kafka record, which is under 2 GiB, so 32 bits hold any place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Piece {
+    start: u32,
+    len: u32,
+}
+
 /// A record of the input topic, owned.
 ///
-/// Key, value and header values are views of one buffer, copied out of librdkafka's in one
-/// go: one allocation per record instead of one per piece. A piece kept beyond the record
-/// keeps that buffer alive, so what outlives records (a session's id in the dispatcher's
-/// map) is copied out of it.
+/// Key, value and header values are copied out of librdkafka's buffer into one buffer of the
+/// record's own, sized for all of them, and the record keeps where each piece lies. One
+/// allocation holds every byte, and dropping the record frees it with no reference count to
+/// touch: the record is made on the consumer's thread and dropped on a runtime worker, so
+/// each shared count would be a cache line moved between cores, twice per piece. What
+/// outlives the record (a session's id in the dispatcher's map) is copied out of it.
 #[derive(Debug, Clone)]
 pub struct InputRecord {
     pub topic: Arc<str>,
     pub partition: Partition,
     pub offset: Offset,
-    pub key: Option<Bytes>,
-    pub value: Option<Bytes>,
-    /// Headers in their original order; duplicates kept.
-    pub headers: Vec<(HeaderName, Option<Bytes>)>,
-    /// Session id; `None` when the record has none (it goes to the DLQ).
-    pub session: Option<Bytes>,
     /// The `sessionflow-seq` header, when present and numeric (read once, at intake: the
     /// order watchdog looks at it twice per record).
     pub seq: Option<u64>,
     pub lease: Arc<Lease>,
+    bytes: Box<[u8]>,
+    key: Option<Piece>,
+    value: Option<Piece>,
+    /// The session id: the key's piece or a header's; `None` when the record has none (it goes
+    /// to the DLQ).
+    session: Option<Piece>,
+    /// Headers in their original order; duplicates kept. Two fit in the record itself.
+    headers: SmallVec<[(HeaderName, Option<Piece>); 2]>,
+}
+
+/// The pieces of a record, to build one without a Kafka message (tests, tools).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Parts<'a> {
+    pub key: Option<&'a [u8]>,
+    pub value: Option<&'a [u8]>,
+    pub headers: &'a [(&'a str, Option<&'a [u8]>)],
 }
 
 impl InputRecord {
@@ -197,14 +217,12 @@ impl InputRecord {
             }
             count += 1;
         }
-        let mut buffer = Pieces(BytesMut::with_capacity(
-            message.key().map_or(0, <[u8]>::len)
-                + message.payload().map_or(0, <[u8]>::len)
-                + header_bytes,
-        ));
-        let key = message.key().map(|k| buffer.copy(k));
-        let value = message.payload().map(|v| buffer.copy(v));
-        let mut headers: Vec<(HeaderName, Option<Bytes>)> = Vec::with_capacity(count);
+        let (key, value) = (message.key(), message.payload());
+        let mut buffer =
+            Buffer::sized(key.map_or(0, <[u8]>::len) + value.map_or(0, <[u8]>::len) + header_bytes);
+        let key = key.map(|k| buffer.copy(k));
+        let value = value.map(|v| buffer.copy(v));
+        let mut headers = SmallVec::with_capacity(count);
         for (name, value) in &first[..count.min(HEADERS_AT_ONCE)] {
             headers.push((header::name(name), value.map(|v| buffer.copy(v))));
         }
@@ -214,28 +232,108 @@ impl InputRecord {
                 headers.push((header::name(h.key), h.value.map(|v| buffer.copy(v))));
             }
         }
-        let session = match source {
-            SessionSource::Key => key.clone(),
-            SessionSource::Header { name } => find(&headers, name).cloned(),
-        }
-        .filter(|s| !s.is_empty());
-        let seq = find(&headers, header::SEQ).and_then(parse_seq);
-        Self {
+        let place = Place {
+            topic,
             partition: message.partition(),
             offset: message.offset(),
-            value,
-            topic,
-            key,
-            headers,
-            session,
-            seq,
             lease,
+        };
+        Self::assemble(place, buffer, key, value, headers, source)
+    }
+
+    /// A record of `parts`, its session read as `source` says: what [`Self::from_message`]
+    /// makes of a Kafka message with those pieces.
+    pub fn new(
+        topic: Arc<str>,
+        partition: Partition,
+        offset: Offset,
+        parts: Parts<'_>,
+        source: &SessionSource,
+        lease: Arc<Lease>,
+    ) -> Self {
+        let size = |p: Option<&[u8]>| p.map_or(0, <[u8]>::len);
+        let header_bytes: usize = parts.headers.iter().map(|(_, v)| size(*v)).sum();
+        let mut buffer = Buffer::sized(size(parts.key) + size(parts.value) + header_bytes);
+        let key = parts.key.map(|k| buffer.copy(k));
+        let value = parts.value.map(|v| buffer.copy(v));
+        let headers = parts
+            .headers
+            .iter()
+            .map(|(name, v)| (header::name(name), v.map(|v| buffer.copy(v))))
+            .collect();
+        let place = Place {
+            topic,
+            partition,
+            offset,
+            lease,
+        };
+        Self::assemble(place, buffer, key, value, headers, source)
+    }
+
+    fn assemble(
+        place: Place,
+        buffer: Buffer,
+        key: Option<Piece>,
+        value: Option<Piece>,
+        headers: SmallVec<[(HeaderName, Option<Piece>); 2]>,
+        source: &SessionSource,
+    ) -> Self {
+        let bytes = buffer.0.into_boxed_slice();
+        let find_piece = |name: &str| {
+            headers
+                .iter()
+                .find(|(k, _)| k == name)
+                .and_then(|(_, v)| *v)
+        };
+        let session = match source {
+            SessionSource::Key => key,
+            SessionSource::Header { name } => find_piece(name),
+        }
+        .filter(|s| s.len > 0);
+        let seq = find_piece(header::SEQ).and_then(|p| parse_seq(slice(&bytes, p)));
+        Self {
+            topic: place.topic,
+            partition: place.partition,
+            offset: place.offset,
+            seq,
+            lease: place.lease,
+            bytes,
+            key,
+            value,
+            session,
+            headers,
         }
     }
 
+    pub fn key(&self) -> Option<&[u8]> {
+        self.key.map(|p| self.piece(p))
+    }
+
+    pub fn value(&self) -> Option<&[u8]> {
+        self.value.map(|p| self.piece(p))
+    }
+
+    /// The session id; `None` when the record has none (or an empty one).
+    pub fn session(&self) -> Option<&[u8]> {
+        self.session.map(|p| self.piece(p))
+    }
+
+    /// The headers in their original order, duplicates kept.
+    pub fn headers(&self) -> impl ExactSizeIterator<Item = (&str, Option<&[u8]>)> + '_ {
+        self.headers
+            .iter()
+            .map(|(k, v)| (k.as_ref(), v.map(|p| self.piece(p))))
+    }
+
     /// The first value of header `name`.
-    pub fn header(&self, name: &str) -> Option<&Bytes> {
-        find(&self.headers, name)
+    pub fn header(&self, name: &str) -> Option<&[u8]> {
+        self.headers()
+            .find(|(k, _)| *k == name)
+            .and_then(|(_, v)| v)
+    }
+
+    fn piece(&self, piece: Piece) -> &[u8] {
+        slice(&self.bytes, piece)
     }
 
     /// The `sessionflow-seq` header, when present and numeric.
@@ -261,20 +359,14 @@ impl InputRecord {
 
     /// The session id as text, for logs and HTTP headers (lossy for non-UTF-8 ids).
     pub fn session_str(&self) -> std::borrow::Cow<'_, str> {
-        String::from_utf8_lossy(self.session.as_deref().unwrap_or_default())
+        String::from_utf8_lossy(self.session().unwrap_or_default())
     }
 
     /// The input headers, without the ones in `replace`, followed by `extra`.
     pub fn headers_with(&self, replace: &[&str], extra: &[(&str, &[u8])]) -> OwnedHeaders {
         let mut out = OwnedHeaders::new_with_capacity(self.headers.len() + extra.len());
-        for (k, v) in &self.headers {
-            if replace.contains(&k.as_ref()) {
-                continue;
-            }
-            out = out.insert(rdkafka::message::Header {
-                key: k,
-                value: v.as_deref(),
-            });
+        for (key, value) in self.headers().filter(|(k, _)| !replace.contains(k)) {
+            out = out.insert(rdkafka::message::Header { key, value });
         }
         for (k, v) in extra {
             out = out.insert(rdkafka::message::Header {
@@ -284,6 +376,14 @@ impl InputRecord {
         }
         out
     }
+}
+
+/// Where a record came from, and under which lease it is held.
+struct Place {
+    topic: Arc<str>,
+    partition: Partition,
+    offset: Offset,
+    lease: Arc<Lease>,
 }
 
 /// `topic-partition-offset`, the event id of a record that carries none. Built without the
@@ -302,25 +402,32 @@ fn generated_event_id(topic: &str, partition: Partition, offset: Offset) -> Stri
 /// Headers of a record read in one pass; any after them are read a second time.
 const HEADERS_AT_ONCE: usize = 8;
 
-/// Cuts a record's pieces off one buffer sized for all of them.
-struct Pieces(BytesMut);
+/// A record's buffer while its pieces are copied in, sized for all of them.
+struct Buffer(Vec<u8>);
 
-impl Pieces {
-    fn copy(&mut self, bytes: &[u8]) -> Bytes {
+impl Buffer {
+    fn sized(len: usize) -> Self {
+        Self(Vec::with_capacity(len))
+    }
+
+    fn copy(&mut self, bytes: &[u8]) -> Piece {
+        let place = |n: usize| u32::try_from(n).expect("a Kafka record is under 2 GiB");
+        let start = place(self.0.len());
         self.0.extend_from_slice(bytes);
-        self.0.split().freeze()
+        Piece {
+            start,
+            len: place(bytes.len()),
+        }
     }
 }
 
-fn parse_seq(value: &Bytes) -> Option<u64> {
-    std::str::from_utf8(value).ok()?.parse().ok()
+fn slice(bytes: &[u8], piece: Piece) -> &[u8] {
+    let start = piece.start as usize;
+    &bytes[start..start + piece.len as usize]
 }
 
-fn find<'a>(headers: &'a [(HeaderName, Option<Bytes>)], name: &str) -> Option<&'a Bytes> {
-    headers
-        .iter()
-        .find(|(k, _)| k == name)
-        .and_then(|(_, v)| v.as_ref())
+fn parse_seq(value: &[u8]) -> Option<u64> {
+    std::str::from_utf8(value).ok()?.parse().ok()
 }
 
 #[cfg(test)]
@@ -354,7 +461,7 @@ mod tests {
     #[test]
     fn session_from_key_and_generated_event_id() {
         let r = record(&message(Some(b"s1"), &[]), &SessionSource::Key);
-        assert_eq!(r.session.as_deref(), Some(&b"s1"[..]));
+        assert_eq!(r.session(), Some(&b"s1"[..]));
         assert_eq!(r.carried_event_id(), None);
         assert_eq!(r.event_id(), "in-3-42");
     }
@@ -378,7 +485,7 @@ mod tests {
                 name: "conv".into(),
             },
         );
-        assert_eq!(r.session.as_deref(), Some(&b"c9"[..]));
+        assert_eq!(r.session(), Some(&b"c9"[..]));
         assert_eq!(r.event_id(), "e-1");
     }
 
@@ -391,15 +498,15 @@ mod tests {
         headers.push((header::EVENT_ID, "e-9"));
         let m = message(Some(b"s1"), &headers);
         let r = record(&m, &SessionSource::Key);
-        assert_eq!(r.key.as_deref(), Some(&b"s1"[..]));
-        assert_eq!(r.value.as_deref(), Some(&b"v"[..]));
+        assert_eq!(r.key(), Some(&b"s1"[..]));
+        assert_eq!(r.value(), Some(&b"v"[..]));
         assert_eq!(r.header("custom").map(|v| v.len()), Some(long.len()));
         assert_eq!(r.carried_event_id(), Some("e-9"));
         assert_eq!(r.seq(), Some(17));
-        assert_eq!(r.headers.len(), headers.len());
-        for ((name, value), (got_name, got_value)) in headers.iter().zip(&r.headers) {
-            assert_eq!(*name, got_name.as_ref());
-            assert_eq!(value.as_bytes(), &got_value.as_ref().unwrap()[..]);
+        assert_eq!(r.headers().len(), headers.len());
+        for ((name, value), (got_name, got_value)) in headers.iter().zip(r.headers()) {
+            assert_eq!(*name, got_name);
+            assert_eq!(Some(value.as_bytes()), got_value);
         }
         let shared: Vec<&str> = r
             .headers
@@ -426,10 +533,10 @@ mod tests {
     #[test]
     fn empty_or_missing_session_is_none() {
         assert!(record(&message(None, &[]), &SessionSource::Key)
-            .session
+            .session()
             .is_none());
         assert!(record(&message(Some(b""), &[]), &SessionSource::Key)
-            .session
+            .session()
             .is_none());
     }
 
@@ -496,5 +603,73 @@ mod tests {
                 (header::EVENT_ID.into(), b"new".to_vec()),
             ]
         );
+    }
+
+    type NamedValue = (String, Option<Vec<u8>>);
+
+    fn any_header() -> impl proptest::strategy::Strategy<Value = NamedValue> {
+        use proptest::prelude::*;
+        let name = prop_oneof![
+            Just(header::SEQ.to_string()),
+            Just(header::EVENT_ID.to_string()),
+            Just("conv".to_string()),
+            "[a-z]{1,6}",
+        ];
+        let value = prop_oneof![
+            Just(None),
+            proptest::collection::vec(any::<u8>(), 0..40).prop_map(Some),
+            (0u64..1_000).prop_map(|n| Some(n.to_string().into_bytes())),
+        ];
+        (name, value)
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+        /// Every piece reads back as it was given, whichever pieces are missing or empty and
+        /// however many headers come (past the ones read at once, too), from a Kafka message
+        /// and from `Parts` alike; the session and the sequence number are the right pieces.
+        #[test]
+        fn every_piece_reads_back_as_given(
+            key in proptest::option::of(proptest::collection::vec(proptest::prelude::any::<u8>(), 0..30)),
+            value in proptest::option::of(proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300)),
+            headers in proptest::collection::vec(any_header(), 0..12),
+            by_header in proptest::prelude::any::<bool>(),
+        ) {
+            let source = if by_header {
+                SessionSource::Header { name: "conv".into() }
+            } else {
+                SessionSource::Key
+            };
+            let mut owned = OwnedHeaders::new();
+            for (k, v) in &headers {
+                owned = owned.insert(Header { key: k, value: v.as_deref() });
+            }
+            let m = OwnedMessage::new(
+                value.clone(), key.clone(), "in".into(), Timestamp::NotAvailable, 3, 42, Some(owned),
+            );
+            let borrowed: Vec<(&str, Option<&[u8]>)> =
+                headers.iter().map(|(k, v)| (k.as_str(), v.as_deref())).collect();
+            let parts = Parts { key: key.as_deref(), value: value.as_deref(), headers: &borrowed };
+            let lease = Arc::new(Lease::new(3, 1));
+            for r in [
+                record(&m, &source),
+                InputRecord::new("in".into(), 3, 42, parts, &source, lease),
+            ] {
+                proptest::prop_assert_eq!(r.key(), key.as_deref());
+                proptest::prop_assert_eq!(r.value(), value.as_deref());
+                let got: Vec<(&str, Option<&[u8]>)> = r.headers().collect();
+                proptest::prop_assert_eq!(&got, &borrowed);
+                let first = |name: &str| {
+                    borrowed.iter().find(|(k, _)| *k == name).and_then(|(_, v)| *v)
+                };
+                let session = if by_header { first("conv") } else { key.as_deref() };
+                proptest::prop_assert_eq!(r.session(), session.filter(|s| !s.is_empty()));
+                let seq = first(header::SEQ)
+                    .and_then(|v| std::str::from_utf8(v).ok())
+                    .and_then(|v| v.parse::<u64>().ok());
+                proptest::prop_assert_eq!(r.seq(), seq);
+            }
+        }
     }
 }

@@ -152,7 +152,7 @@ impl Extractor for RecordHeaders<'_> {
     }
 
     fn keys(&self) -> Vec<&str> {
-        self.0.headers.iter().map(|(k, _)| k.as_ref()).collect()
+        self.0.headers().map(|(k, _)| k).collect()
     }
 }
 

@@ -30,15 +30,15 @@ struct BenchHandler {
 
 impl Handler for BenchHandler {
     async fn handle(&self, record: &InputRecord, attempt: u32) -> HandlerResult {
-        let seq = record.header(header::SEQ).map(|b| &b[..]);
-        match decode(record.value.as_deref(), seq) {
+        let seq = record.header(header::SEQ);
+        match decode(record.value(), seq) {
             Some(v) => self
                 .core
                 .call(v, record.partition, attempt)
                 .await
                 .map(|()| {
                     self.echo
-                        .then(|| record.value.as_deref().unwrap_or_default().to_vec())
+                        .then(|| record.value().unwrap_or_default().to_vec())
                 })
                 .map_err(HandlerError::Transient),
             None => Ok(None),

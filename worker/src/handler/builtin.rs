@@ -75,7 +75,7 @@ impl BuiltinHandler {
                 "injected transient fault on attempt {attempt}"
             )));
         }
-        Ok(Some(record.value.as_deref().unwrap_or_default().to_vec()))
+        Ok(Some(record.value().unwrap_or_default().to_vec()))
     }
 }
 
@@ -86,17 +86,21 @@ mod tests {
     use std::sync::Arc;
 
     fn record(i: usize) -> InputRecord {
-        InputRecord {
-            topic: "t".into(),
-            partition: 0,
-            offset: i as i64,
-            key: None,
-            value: Some(bytes::Bytes::from(format!("v{i}"))),
-            headers: vec![],
-            session: Some("s".into()),
-            seq: None,
-            lease: Arc::new(Lease::new(0, 0)),
-        }
+        let value = format!("v{i}");
+        let parts = crate::record::Parts {
+            key: Some(b"s"),
+            value: Some(value.as_bytes()),
+            headers: &[],
+        };
+        let source = crate::config::SessionSource::Key;
+        InputRecord::new(
+            "t".into(),
+            0,
+            i as i64,
+            parts,
+            &source,
+            Arc::new(Lease::new(0, 0)),
+        )
     }
 
     fn handler(transient_rate: f64, poison_rate: f64, seed: u64) -> BuiltinHandler {

@@ -53,10 +53,10 @@ impl HttpHandler {
     fn headers(record: &InputRecord, attempt: u32) -> HeaderMap {
         let mut map = HeaderMap::new();
         // The record's own headers first; the ones sessionflow sets win over them.
-        for (k, v) in &record.headers {
+        for (k, v) in record.headers() {
             let (Ok(name), Some(Ok(value))) = (
                 HeaderName::from_bytes(k.as_bytes()),
-                v.as_deref().map(HeaderValue::from_bytes),
+                v.map(HeaderValue::from_bytes),
             ) else {
                 continue; // not representable in HTTP; the body is what the service needs
             };
@@ -81,7 +81,7 @@ impl HttpHandler {
             .client
             .post(self.url.clone())
             .headers(Self::headers(record, attempt))
-            .body(record.value.clone().unwrap_or_default())
+            .body(record.value().unwrap_or_default().to_vec())
             .send()
             .await
             .map_err(|e| HandlerError::Transient(format!("POST {}: {e}", self.url)))?;
