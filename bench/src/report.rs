@@ -271,6 +271,40 @@ pub fn rate_cell(m: Option<&Measured>) -> String {
     }
 }
 
+/// Every round of a backlog drained in rounds, under the table whose rows are the medians.
+fn rounds_line(o: &Outcome, md: &mut String) {
+    let per_system: Vec<String> = o
+        .systems
+        .iter()
+        .filter_map(|s| {
+            let rounds = &s.backlog.as_ref()?.rounds;
+            (!rounds.is_empty()).then(|| {
+                let each: Vec<String> = rounds
+                    .iter()
+                    .map(|r| {
+                        let rate = r.rate.map_or("—".into(), fmt_int);
+                        format!("{rate} ({:.1} s CPU, {} MiB)", r.cpu_s, mib(r.peak_rss))
+                    })
+                    .collect();
+                format!("{}: {}", s.system.label(), each.join(", "))
+            })
+        })
+        .collect();
+    if !per_system.is_empty() {
+        let _ = writeln!(
+            md,
+            "The backlog was drained in {} rounds, the systems in turn, each round by a new \
+             group; each row above is the system's median round by rate. Every round, in \
+             order: {}.\n",
+            o.systems
+                .iter()
+                .find_map(|s| Some(s.backlog.as_ref()?.rounds.len()))
+                .unwrap_or(0),
+            per_system.join("; ")
+        );
+    }
+}
+
 fn scenario_table(o: &Outcome, md: &mut String) {
     let sc = &o.scenario;
     let paced_rate = sc
@@ -334,6 +368,7 @@ fn scenario_table(o: &Outcome, md: &mut String) {
         );
     }
     md.push('\n');
+    rounds_line(o, md);
     if sc.fault_free.is_some() {
         let _ = writeln!(
             md,

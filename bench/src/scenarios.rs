@@ -80,6 +80,15 @@ impl Choice {
 pub struct Backlog {
     pub records: u64,
     pub cap_secs: f64,
+    /// Drains of the same backlog, each system in turn each round, each by a new group; the
+    /// round with the median rate is the system's measurement. A ratio of two systems' rates
+    /// from one drain each moved by ±30 % between runs on a shared machine (see the notes).
+    #[serde(default = "one_round")]
+    pub rounds: u32,
+}
+
+fn one_round() -> u32 {
+    1
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -174,6 +183,7 @@ pub fn all(scale: f64) -> Vec<Scenario> {
             backlog: Some(Backlog {
                 records: scaled(1_000_000, s),
                 cap_secs: 120.0,
+                rounds: 3,
             }),
             paced: Some(paced(25_000.0, 8.0, 15.0, s)),
             fault_free: None,
@@ -204,6 +214,7 @@ pub fn all(scale: f64) -> Vec<Scenario> {
             backlog: Some(Backlog {
                 records: scaled(200_000, s),
                 cap_secs: 12.0,
+                rounds: 1,
             }),
             paced: Some(paced(10_000.0, 8.0, 10.0, s)),
             fault_free: None,
@@ -236,6 +247,7 @@ pub fn all(scale: f64) -> Vec<Scenario> {
             backlog: Some(Backlog {
                 records: scaled(50_000, s),
                 cap_secs: 60.0,
+                rounds: 1,
             }),
             paced: Some(Paced {
                 rate: Some(2.0 * SEED_RATE),
@@ -347,6 +359,43 @@ pub struct Measured {
     pub offered_rate: Option<f64>,
     /// The rate the producer achieved (paced runs).
     pub produced_rate: Option<f64>,
+    /// Every round of a backlog drained in rounds (this measurement is the median's), in the
+    /// order they ran; empty for a single run.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rounds: Vec<Round>,
+}
+
+/// One round of a backlog drained in rounds.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Round {
+    pub rate: Option<f64>,
+    pub cpu_s: f64,
+    pub peak_rss: u64,
+}
+
+impl Round {
+    fn of(m: &Measured) -> Self {
+        Self {
+            rate: m.result.throughput(),
+            cpu_s: m.result.cpu_s,
+            peak_rss: m.result.peak_rss,
+        }
+    }
+}
+
+/// The round with the median rate (the lower middle one of an even count), all rounds
+/// recorded in it.
+fn median_round(mut runs: Vec<Measured>) -> Option<Measured> {
+    let rounds: Vec<Round> = runs.iter().map(Round::of).collect();
+    runs.sort_by(|a, b| {
+        let rate = |m: &Measured| m.result.throughput().unwrap_or(0.0);
+        rate(a).total_cmp(&rate(b))
+    });
+    let mut median = runs.into_iter().nth((rounds.len().max(1) - 1) / 2)?;
+    if rounds.len() > 1 {
+        median.rounds = rounds;
+    }
+    Some(median)
 }
 
 impl Measured {
@@ -368,6 +417,7 @@ impl Measured {
             wall_s: started.elapsed().as_secs_f64(),
             offered_rate: None,
             produced_rate: None,
+            rounds: Vec::new(),
         }
     }
 
@@ -458,21 +508,23 @@ pub async fn run(opts: &Options, sc: &Scenario) -> anyhow::Result<Outcome> {
                 produced.elapsed.as_secs_f64()
             );
             backlog_produce_rate = Some(rate);
-            for s in systems.iter_mut() {
-                let spec = spec(
-                    opts,
-                    sc,
-                    s.system,
-                    &topic,
-                    &dlq,
-                    &tag,
-                    "backlog",
-                    &sc.handler,
-                )
-                .with(b.records, false, b.cap_secs);
-                let m = run_backlog(opts, sc, &spec, &id).await?;
-                report_progress(&id, s.system, "backlog", &m);
-                s.backlog = Some(m);
+            let mut runs: Vec<Vec<Measured>> = systems.iter().map(|_| Vec::new()).collect();
+            for round in 1..=b.rounds.max(1) {
+                // A group of its own per round: each drains the whole backlog.
+                let kind = match round {
+                    1 => "backlog".to_string(),
+                    n => format!("backlog-{n}"),
+                };
+                for (s, runs) in systems.iter().zip(runs.iter_mut()) {
+                    let spec = spec(opts, sc, s.system, &topic, &dlq, &tag, &kind, &sc.handler)
+                        .with(b.records, false, b.cap_secs);
+                    let m = run_backlog(opts, sc, &spec, &id, &kind).await?;
+                    report_progress(&id, s.system, &kind, &m);
+                    runs.push(m);
+                }
+            }
+            for (s, runs) in systems.iter_mut().zip(runs) {
+                s.backlog = median_round(runs);
             }
             let _ = topics::delete(&opts.brokers, &[&topic]).await;
             if sc.handler.io_ms > 0 {
@@ -629,11 +681,12 @@ async fn run_backlog(
     sc: &Scenario,
     spec: &RunSpec,
     id: &str,
+    kind: &str,
 ) -> anyhow::Result<Measured> {
     with_output_topic(opts, sc, spec, async {
         let started = Instant::now();
         let cpu0 = broker_cpu(opts);
-        let child = ChildRun::spawn(&opts.exe, spec, &log_path(opts, id, spec, "backlog"))?;
+        let child = ChildRun::spawn(&opts.exe, spec, &log_path(opts, id, spec, kind))?;
         let result = child.result().await?;
         Ok(Measured::of(opts, sc, spec, result, started, cpu0))
     })
@@ -738,8 +791,46 @@ mod tests {
             wall_s: 0.0,
             offered_rate: None,
             produced_rate: None,
+            rounds: Vec::new(),
         };
         // 95 healthy records, 85 of them done.
         assert_eq!(m.censored_healthy(), 10);
+    }
+
+    /// A drain of 1,000 records over `secs`, with `rss` as its peak.
+    fn drained(secs: u64, rss: u64) -> Measured {
+        Measured {
+            expected: 1_000,
+            expected_healthy: 1_000,
+            cap_secs: 60.0,
+            result: RunResult {
+                handled: 1_000,
+                first_us: Some(0),
+                last_us: Some(secs * 1_000_000),
+                peak_rss: rss,
+                ..Default::default()
+            },
+            broker_cpu_s: None,
+            wall_s: 0.0,
+            offered_rate: None,
+            produced_rate: None,
+            rounds: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn the_median_round_by_rate_stands_for_all_and_keeps_them_in_order() {
+        let m = median_round(vec![drained(2, 20), drained(4, 40), drained(1, 10)]).unwrap();
+        assert_eq!(
+            m.result.peak_rss, 20,
+            "the 500 msg/s round, between 250 and 1,000"
+        );
+        let rates: Vec<f64> = m.rounds.iter().map(|r| r.rate.unwrap()).collect();
+        assert_eq!(rates, [500.0, 250.0, 1_000.0]);
+        let two = median_round(vec![drained(1, 10), drained(2, 20)]).unwrap();
+        assert_eq!(two.result.peak_rss, 20, "of two, the slower");
+        let one = median_round(vec![drained(1, 10)]).unwrap();
+        assert!(one.rounds.is_empty(), "a single run lists no rounds");
+        assert!(median_round(Vec::new()).is_none());
     }
 }

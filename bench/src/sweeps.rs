@@ -153,6 +153,7 @@ pub fn backlog_scenario(shape: &Shape, scale: f64) -> Scenario {
         backlog: Some(Backlog {
             records,
             cap_secs: BACKLOG_CAP_SECS,
+            rounds: 1,
         }),
         paced: None,
         fault_free: None,

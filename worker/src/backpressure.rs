@@ -28,15 +28,15 @@ use crate::record::InputRecord;
 /// Parked records of one partition, oldest first.
 #[derive(Debug, Default)]
 pub struct PendingBuffer {
-    records: VecDeque<InputRecord>,
+    records: VecDeque<Box<InputRecord>>,
 }
 
 /// What became of a record offered to a dispatcher.
 pub enum Offer {
     Taken,
-    Full(InputRecord),
+    Full(Box<InputRecord>),
     /// The dispatcher is gone (shutdown): the record is released unprocessed.
-    Closed(InputRecord),
+    Closed(Box<InputRecord>),
 }
 
 impl PendingBuffer {
@@ -48,7 +48,7 @@ impl PendingBuffer {
         self.records.len()
     }
 
-    pub fn park(&mut self, record: InputRecord) {
+    pub fn park(&mut self, record: Box<InputRecord>) {
         self.records.push_back(record);
     }
 
@@ -56,8 +56,8 @@ impl PendingBuffer {
     /// Returns how many were handed over and the records that can never be (closed).
     pub fn drain(
         &mut self,
-        mut offer: impl FnMut(InputRecord) -> Offer,
-    ) -> (usize, Vec<InputRecord>) {
+        mut offer: impl FnMut(Box<InputRecord>) -> Offer,
+    ) -> (usize, Vec<Box<InputRecord>>) {
         let mut handed = 0;
         let mut closed = Vec::new();
         while let Some(record) = self.records.pop_front() {
@@ -74,7 +74,7 @@ impl PendingBuffer {
     }
 
     /// Empties the buffer (revocation, shutdown).
-    pub fn take_all(&mut self) -> Vec<InputRecord> {
+    pub fn take_all(&mut self) -> Vec<Box<InputRecord>> {
         self.records.drain(..).collect()
     }
 }
@@ -97,20 +97,21 @@ mod tests {
     use crate::record::Lease;
     use std::sync::Arc;
 
-    fn rec(offset: i64) -> InputRecord {
+    fn rec(offset: i64) -> Box<InputRecord> {
         let parts = crate::record::Parts {
             key: Some(b"s"),
             ..Default::default()
         };
         let source = crate::config::SessionSource::Key;
-        InputRecord::new(
+        let lease = Arc::new(Lease::new(0, 0));
+        Box::new(InputRecord::new(
             "t".into(),
             0,
             offset,
             parts,
             &source,
-            Arc::new(Lease::new(0, 0)),
-        )
+            lease,
+        ))
     }
 
     #[test]

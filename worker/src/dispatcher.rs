@@ -37,7 +37,7 @@ const BATCH: usize = 128;
 pub const HIBERNATE_AFTER: Duration = Duration::from_millis(250);
 
 pub struct Dispatcher<H> {
-    rx: mpsc::Receiver<InputRecord>,
+    rx: mpsc::Receiver<Box<InputRecord>>,
     /// Keyed by a copy of the id (see `session_id`).
     sessions: hashbrown::HashMap<SessionId, SessionHandle>,
     /// The sessions to tend: each started a task since it was last found hibernated (some may
@@ -52,7 +52,7 @@ pub struct Dispatcher<H> {
 
 impl<H: Handler> Dispatcher<H> {
     pub fn new(
-        rx: mpsc::Receiver<InputRecord>,
+        rx: mpsc::Receiver<Box<InputRecord>>,
         ctx: Arc<SessionContext<H>>,
         idle: Duration,
         tasks: TaskTracker,
@@ -106,7 +106,7 @@ impl<H: Handler> Dispatcher<H> {
         self.ctx.metrics.sessions.sub(self.sessions.len() as i64);
     }
 
-    fn route(&mut self, record: InputRecord, now: Instant) {
+    fn route(&mut self, record: Box<InputRecord>, now: Instant) {
         let mut record = record;
         loop {
             let id = record
@@ -192,8 +192,10 @@ mod tests {
     use crate::stuck::{StuckAction, StuckPolicy};
     use crate::HandlerResult;
 
+    #[cfg(feature = "jemalloc")]
     struct Noop;
 
+    #[cfg(feature = "jemalloc")]
     impl Handler for Noop {
         async fn handle(&self, _: &InputRecord, _: u32) -> HandlerResult {
             Ok(None)
@@ -252,7 +254,7 @@ mod tests {
         (Arc::new(ctx), done)
     }
 
-    fn record(session: usize, seq: u64, lease: &Arc<Lease>) -> InputRecord {
+    fn record(session: usize, seq: u64, lease: &Arc<Lease>) -> Box<InputRecord> {
         record_with(session, seq, lease, None)
     }
 
@@ -262,7 +264,7 @@ mod tests {
         seq: u64,
         lease: &Arc<Lease>,
         event: Option<&[u8]>,
-    ) -> InputRecord {
+    ) -> Box<InputRecord> {
         use crate::record::{header, Parts};
         let (key, seq) = (format!("session-{session:07}"), seq.to_string());
         let mut headers = vec![(header::SEQ, Some(seq.as_bytes()))];
@@ -273,7 +275,8 @@ mod tests {
             headers: &headers,
         };
         let source = crate::config::SessionSource::Key;
-        InputRecord::new("t".into(), 0, session as i64, parts, &source, lease.clone())
+        let record = InputRecord::new("t".into(), 0, session as i64, parts, &source, lease.clone());
+        Box::new(record)
     }
 
     /// A dispatcher over `handler` whose sessions are kept for an hour (they hibernate, if
@@ -281,7 +284,7 @@ mod tests {
     struct Harness<H> {
         ctx: Arc<SessionContext<H>>,
         done: crate::completion::CompletionReceiver,
-        tx: mpsc::Sender<InputRecord>,
+        tx: mpsc::Sender<Box<InputRecord>>,
         dispatcher: tokio::task::JoinHandle<()>,
         tasks: TaskTracker,
         lease: Arc<Lease>,
@@ -336,7 +339,9 @@ mod tests {
         }
 
         /// Heap bytes per session after one record to each of `sessions` is done (and, with
-        /// `hibernated`, every session has hibernated).
+        /// `hibernated`, every session has hibernated). The count is the process's: hold
+        /// [`measuring`] for the whole test, so another bytes test's sessions, made or freed
+        /// meanwhile on the threads of `cargo test`, do not count.
         #[cfg(feature = "jemalloc")]
         async fn bytes_per_session(&self, sessions: usize, hibernated: bool) -> u64 {
             let before = crate::memory::allocated_bytes().unwrap();
@@ -358,6 +363,12 @@ mod tests {
         }
     }
 
+    /// One heap-measuring test at a time in this process (see `bytes_per_session`).
+    #[cfg(feature = "jemalloc")]
+    async fn measuring() -> tokio::sync::MutexGuard<'static, ()> {
+        crate::memory::HEAP_MEASURED.lock().await
+    }
+
     /// What an idle session keeps before it hibernates, once its records are done: its task, its
     /// queue and its entry in the dispatcher's map. Until sessions hibernated, a burst of a million
     /// users was that many times this (1,813 bytes with tokio's unbounded channel for the queue
@@ -368,6 +379,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_idle_session_keeps_under_750_bytes_until_it_hibernates() {
         const SESSIONS: usize = 20_000;
+        let _alone = measuring().await;
         // None hibernates while the test measures, however slow the build.
         let h = Harness::start(Noop, false);
         let each = h.bytes_per_session(SESSIONS, false).await;
@@ -385,6 +397,7 @@ mod tests {
     async fn a_hibernated_session_keeps_under_300_bytes() {
         // Many: what the threads' allocation caches hold (counted as allocated) is spread thin.
         const SESSIONS: usize = 100_000;
+        let _alone = measuring().await;
         let h = Harness::start(Noop, true);
         let each = h.bytes_per_session(SESSIONS, true).await;
         println!("{each} bytes per hibernated session");

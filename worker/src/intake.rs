@@ -166,7 +166,8 @@ struct Book {
     /// The assignment, shared with the lag reporter.
     assigned: Assigned,
     tracker: OffsetTracker,
-    partitions: HashMap<Partition, PartitionState>,
+    /// Looked up for every record, so with foldhash, not SipHash (as the tracker's).
+    partitions: foldhash::HashMap<Partition, PartitionState>,
     /// Bumped on every assignment change, so the loop knows to split off or drop queues.
     assignment_version: u64,
     next_epoch: u64,
@@ -689,7 +690,7 @@ impl ConsumerContext for IntakeContext {
 /// thread.
 pub struct IntakeLoop {
     consumer: Arc<BaseConsumer<IntakeContext>>,
-    dispatchers: Vec<mpsc::Sender<InputRecord>>,
+    dispatchers: Vec<mpsc::Sender<Box<InputRecord>>>,
     router: SessionRouter,
     producer: StageProducer,
     runtime: tokio::runtime::Handle,
@@ -729,7 +730,7 @@ impl IntakeLoop {
         settings: IntakeSettings,
         completions: CompletionReceiver,
         assigned: Assigned,
-        dispatchers: Vec<mpsc::Sender<InputRecord>>,
+        dispatchers: Vec<mpsc::Sender<Box<InputRecord>>>,
         producer: StageProducer,
         metrics: Metrics,
         health: Arc<Health>,
@@ -746,7 +747,7 @@ impl IntakeLoop {
                 topic: settings.input.as_str().into(),
                 assigned,
                 tracker: OffsetTracker::new(),
-                partitions: HashMap::new(),
+                partitions: foldhash::HashMap::default(),
                 assignment_version: 0,
                 next_epoch: 0,
                 completions,
@@ -938,8 +939,14 @@ impl IntakeLoop {
             return state.held;
         }
         state.unreleased += 1;
-        let record =
-            InputRecord::from_message(message, book.topic.clone(), &ctx.settings.session, lease);
+        // Boxed here, once: the dispatcher's channel, the pending buffer and the session's queue
+        // then move a pointer, not the record.
+        let record = Box::new(InputRecord::from_message(
+            message,
+            book.topic.clone(),
+            &ctx.settings.session,
+            lease,
+        ));
         if record.session().is_none() {
             let producer = self.producer.clone();
             let metrics = ctx.metrics.clone();
@@ -1276,7 +1283,7 @@ impl IntakeLoop {
     }
 }
 
-fn offer(dispatcher: &mpsc::Sender<InputRecord>, record: InputRecord) -> Offer {
+fn offer(dispatcher: &mpsc::Sender<Box<InputRecord>>, record: Box<InputRecord>) -> Offer {
     match dispatcher.try_send(record) {
         Ok(()) => Offer::Taken,
         Err(mpsc::error::TrySendError::Full(r)) => Offer::Full(r),

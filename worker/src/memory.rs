@@ -206,6 +206,11 @@ fn allocated() -> Option<u64> {
     None
 }
 
+/// Held by the tests that read the process's heap counters, one at a time: `cargo test` runs
+/// tests on threads of one process, and another such test's heap would count in.
+#[cfg(test)]
+pub(crate) static HEAP_MEASURED: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -232,6 +237,7 @@ mod tests {
 
     #[test]
     fn a_trim_gives_freed_memory_back_and_the_allocator_counts_what_is_live() {
+        let _alone = HEAP_MEASURED.blocking_lock();
         let before = allocated_bytes().expect("the allocator reports its statistics");
         let block = vec![7u8; 64 << 20];
         let during = allocated_bytes().unwrap();
@@ -252,6 +258,7 @@ mod tests {
     #[test]
     fn the_c_libraries_allocate_from_jemalloc_too() {
         const SIZE: usize = 32 << 20;
+        let _alone = HEAP_MEASURED.blocking_lock();
         let before = allocated_bytes().unwrap();
         // SAFETY: a plain allocation, freed below.
         let block = unsafe { libc::malloc(SIZE) };
@@ -283,10 +290,12 @@ mod tests {
     #[cfg(feature = "jemalloc")]
     #[test]
     fn the_allocators_own_books_are_counted_and_grow_with_the_heap() {
+        let _alone = HEAP_MEASURED.blocking_lock();
         let before = metadata_bytes().expect("jemalloc reports its metadata");
         assert!(before > 0);
-        // Many small blocks: a slab (and its descriptor) per few hundred of them.
-        let blocks: Vec<Box<[u8; 48]>> = (0..200_000).map(|_| Box::new([1; 48])).collect();
+        // Many blocks of a class the other tests hardly use (their slabs, freed, would be
+        // reused without new books): a slab, and its descriptor, per few of them.
+        let blocks: Vec<Box<[u8; 1_536]>> = (0..40_000).map(|_| Box::new([1; 1_536])).collect();
         let during = metadata_bytes().unwrap();
         assert!(during > before, "{before} -> {during}");
         drop(blocks);

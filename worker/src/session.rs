@@ -121,15 +121,13 @@ impl SessionHandle {
     /// Queues a record behind the session's earlier ones, `now` being the time it arrived,
     /// starting a task on `tasks` if the session has none. Returns the record if the task
     /// ended without hibernation (aborted).
-    // Handing the record back (a move, not a copy) is the point of the error variant.
-    #[allow(clippy::result_large_err)]
     pub fn send<H: Handler>(
         &mut self,
-        record: InputRecord,
+        record: Box<InputRecord>,
         ctx: &Arc<SessionContext<H>>,
         tasks: &TaskTracker,
         now: Instant,
-    ) -> Result<Sent, InputRecord> {
+    ) -> Result<Sent, Box<InputRecord>> {
         if self.intake.observe(record.lease.epoch, record.seq()) {
             ctx.metrics
                 .order_violations
@@ -139,7 +137,7 @@ impl SessionHandle {
                 seq = record.seq(), "order violation at intake");
         }
         self.last_active = Some(now);
-        let mut record = Box::new(record);
+        let mut record = record;
         if let Some(tx) = &self.tx {
             match tx.send(record) {
                 Ok(()) => return Ok(Sent::Queued),
@@ -149,7 +147,7 @@ impl SessionHandle {
                         self.kept = kept;
                         record = back;
                     }
-                    None => return Err(*back),
+                    None => return Err(back),
                 },
             }
         }
@@ -161,7 +159,7 @@ impl SessionHandle {
         };
         tasks.spawn(task.run());
         let tx = self.tx.insert(tx);
-        tx.send(record).map_err(|back| *back)?;
+        tx.send(record)?;
         if self.listed {
             return Ok(Sent::Queued);
         }
