@@ -55,8 +55,8 @@ pub struct StageConfig {
     /// Number of dispatcher tasks the sessions are hashed onto.
     #[serde(default = "defaults::dispatchers")]
     pub dispatchers: usize,
-    /// Capacity of each dispatcher's intake channel; full means backpressure (the record's
-    /// partition is held until the channel has room).
+    /// Records handed to each dispatcher and not yet taken by it, at most; full means
+    /// backpressure (the records' partitions are held until the dispatcher has room).
     #[serde(default = "defaults::dispatcher_capacity")]
     pub dispatcher_capacity: usize,
     /// A session with nothing to do for this long is forgotten (its order watch and recent

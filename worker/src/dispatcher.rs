@@ -1,7 +1,8 @@
 //! The dispatcher tier: sessions hashed onto a few long-lived tasks, each owning its sessions.
 //!
 //! The consumer loop must never wait on a session, so it hands records to a small, fixed set of
-//! dispatchers over bounded channels (a full channel is backpressure, handled by the consumer).
+//! dispatchers, in batches, each over a bounded hand-off (`handoff`; a full one is backpressure,
+//! handled by the consumer).
 //! A dispatcher owns a map from session id to that session's task and forwards each record to
 //! it without waiting: a session that is busy retrying keeps its records queued in its own
 //! queue, and the dispatcher moves straight on to the next session's record. Because the
@@ -15,29 +16,30 @@
 //! what is running, not every session known.
 //!
 //! The session map is looked up once per record, so it hashes with foldhash (seeded per map)
-//! rather than SipHash; and the dispatcher takes every record waiting in its channel at once,
-//! so a busy dispatcher pays for one wake-up and one timer check per batch, not per record.
+//! rather than SipHash; and the dispatcher takes every batch waiting for it at once, so a busy
+//! dispatcher pays for one wake-up and one clock read per turn of the consumer loop, not per
+//! record.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::mpsc;
 use tokio_util::task::TaskTracker;
 
 use crate::handler::Handler;
+use crate::handoff::{Batch, Takeoff};
 use crate::record::InputRecord;
 use crate::session::{Sent, SessionContext, SessionHandle};
 use crate::session_id::SessionId;
 
-/// Records taken from the channel per wake-up, at most.
-const BATCH: usize = 128;
+/// Batches taken from the consumer loop per wake-up, at most.
+const BATCHES: usize = 16;
 /// How long a session with nothing to do keeps its task before it hibernates. A session that comes
 /// back later pays for a new task (~1 µs); one idling meanwhile costs its task and queue
 /// (~300 bytes).
 pub const HIBERNATE_AFTER: Duration = Duration::from_millis(250);
 
 pub struct Dispatcher<H> {
-    rx: mpsc::Receiver<Box<InputRecord>>,
+    rx: Takeoff,
     /// Keyed by a copy of the id (see `session_id`).
     sessions: hashbrown::HashMap<SessionId, SessionHandle>,
     /// The sessions to tend: each started a task since it was last found hibernated (some may
@@ -52,7 +54,7 @@ pub struct Dispatcher<H> {
 
 impl<H: Handler> Dispatcher<H> {
     pub fn new(
-        rx: mpsc::Receiver<Box<InputRecord>>,
+        rx: Takeoff,
         ctx: Arc<SessionContext<H>>,
         idle: Duration,
         tasks: TaskTracker,
@@ -78,16 +80,16 @@ impl<H: Handler> Dispatcher<H> {
         let mut tick = tokio::time::interval(every.max(Duration::from_millis(10)));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_reap = Instant::now();
-        let mut batch = Vec::with_capacity(BATCH);
+        let mut batches: Vec<Batch> = Vec::with_capacity(BATCHES);
         loop {
             tokio::select! {
-                taken = self.rx.recv_many(&mut batch, BATCH) => {
+                taken = self.rx.take(&mut batches, BATCHES) => {
                     if taken == 0 {
                         break;
                     }
-                    // One clock read per batch: it only dates the sessions' last activity.
+                    // One clock read per wake-up: it only dates the sessions' last activity.
                     let now = Instant::now();
-                    for record in batch.drain(..) {
+                    for record in batches.drain(..).flatten() {
                         self.route(record, now);
                     }
                 }
@@ -284,7 +286,7 @@ mod tests {
     struct Harness<H> {
         ctx: Arc<SessionContext<H>>,
         done: crate::completion::CompletionReceiver,
-        tx: mpsc::Sender<Box<InputRecord>>,
+        tx: crate::handoff::Handoff,
         dispatcher: tokio::task::JoinHandle<()>,
         tasks: TaskTracker,
         lease: Arc<Lease>,
@@ -293,7 +295,7 @@ mod tests {
     impl<H: Handler> Harness<H> {
         fn start(handler: H, hibernates: bool) -> Self {
             let (ctx, done) = context(handler);
-            let (tx, rx) = mpsc::channel(BATCH);
+            let (tx, rx) = crate::handoff::handoff(1_024);
             let tasks = TaskTracker::new();
             let idle = Duration::from_secs(3_600);
             let mut dispatcher = Dispatcher::new(rx, ctx.clone(), idle, tasks.clone());
@@ -308,10 +310,27 @@ mod tests {
             }
         }
 
-        /// One record to each of `sessions`, numbered `seq`.
+        /// One record to each of `sessions`, numbered `seq`, in batches as the consumer loop
+        /// hands them over.
         async fn send(&self, sessions: std::ops::Range<usize>, seq: u64) {
-            for s in sessions {
-                self.tx.send(record(s, seq, &self.lease)).await.unwrap();
+            let mut sessions = sessions.peekable();
+            while sessions.peek().is_some() {
+                let batch = sessions.by_ref().take(256);
+                let batch = batch.map(|s| record(s, seq, &self.lease)).collect();
+                self.hand_over(batch).await;
+            }
+        }
+
+        /// Hands `batch` over, waiting while the dispatcher has no room.
+        async fn hand_over(&self, batch: crate::handoff::Batch) {
+            let mut batch = batch;
+            loop {
+                match self.tx.offer(batch) {
+                    Ok(()) => return,
+                    Err(crate::handoff::Refused::Full(back)) => batch = back,
+                    Err(crate::handoff::Refused::Closed(_)) => panic!("the dispatcher ended"),
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
             }
         }
 
@@ -412,10 +431,10 @@ mod tests {
     async fn a_hibernated_session_starts_again_with_what_it_remembered() {
         let h = Harness::start(Recording::default(), true);
         let event = |seq| record_with(7, seq, &h.lease, Some(b"event-7"));
-        h.tx.send(event(1)).await.unwrap();
+        h.hand_over(vec![event(1)]).await;
         h.settle(1).await;
         h.hibernated().await;
-        h.tx.send(event(1)).await.unwrap();
+        h.hand_over(vec![event(1)]).await;
         h.settle(1).await;
         assert_eq!(h.ctx.metrics.replay_skipped.get(), 1);
         assert_eq!(h.ctx.handler.0.lock().unwrap().len(), 1, "processed once");

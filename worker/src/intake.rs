@@ -41,7 +41,6 @@ use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Reb
 use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
 use rdkafka::message::BorrowedMessage;
 use rdkafka::{Message, Offset as KafkaOffset, TopicPartitionList};
-use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::backpressure::{self, Offer, PendingBuffer};
@@ -49,6 +48,7 @@ use crate::committer::Committer;
 use crate::completion::{Completion, CompletionReceiver};
 use crate::config::{RebalanceStrategy, SessionSource};
 use crate::dlq::DlqReason;
+use crate::handoff::{Batch, Handoff, Refused};
 use crate::health::Health;
 use crate::lag::Assigned;
 use crate::membership::{Fence, Verdict};
@@ -690,7 +690,10 @@ impl ConsumerContext for IntakeContext {
 /// thread.
 pub struct IntakeLoop {
     consumer: Arc<BaseConsumer<IntakeContext>>,
-    dispatchers: Vec<mpsc::Sender<Box<InputRecord>>>,
+    dispatchers: Vec<Handoff>,
+    /// Records taken in this turn, a batch per dispatcher, handed over at the turn's end (see
+    /// `handoff`).
+    outbox: RefCell<Vec<Batch>>,
     router: SessionRouter,
     producer: StageProducer,
     runtime: tokio::runtime::Handle,
@@ -730,7 +733,7 @@ impl IntakeLoop {
         settings: IntakeSettings,
         completions: CompletionReceiver,
         assigned: Assigned,
-        dispatchers: Vec<mpsc::Sender<Box<InputRecord>>>,
+        dispatchers: Vec<Handoff>,
         producer: StageProducer,
         metrics: Metrics,
         health: Arc<Health>,
@@ -769,6 +772,7 @@ impl IntakeLoop {
         Ok(Self {
             committer: RefCell::new(committer),
             consumer,
+            outbox: RefCell::new(dispatchers.iter().map(|_| Batch::new()).collect()),
             dispatchers,
             router,
             producer,
@@ -875,8 +879,11 @@ impl IntakeLoop {
     /// when a record was taken.
     fn drain_main_queue(&self) -> bool {
         let mut took = false;
+        // Each record handed over at once: a rebalance served next in this queue must find
+        // every record taken either with a dispatcher or parked, none in the outbox.
         self.serve_main_queue(|message| {
             self.intake(message);
+            self.hand_over();
             took = true;
         });
         took
@@ -911,7 +918,40 @@ impl IntakeLoop {
                 }
             }
         }
+        self.hand_over();
         took
+    }
+
+    /// Hands each dispatcher the batch this turn gathered for it. A batch refused for want of
+    /// room is parked, record by record in the order taken, in the pending buffers of the
+    /// records' partitions (it holds them; `relieve_pressure` offers them again). A batch for a
+    /// dispatcher that is gone (shutdown) is dropped, and its records are no longer counted as
+    /// waiting to be released.
+    fn hand_over(&self) {
+        let mut outbox = self.outbox.borrow_mut();
+        for (dispatcher, batch) in self.dispatchers.iter().zip(outbox.iter_mut()) {
+            if batch.is_empty() {
+                continue;
+            }
+            let (refused, closed) = match dispatcher.offer(std::mem::take(batch)) {
+                Ok(()) => continue,
+                Err(Refused::Full(back)) => (back, false),
+                Err(Refused::Closed(back)) => (back, true),
+            };
+            let ctx = self.ctx();
+            let mut book = ctx.book();
+            for record in refused {
+                let Some(state) = book.partitions.get_mut(&record.partition) else {
+                    continue; // cannot happen: no rebalance is served within a turn
+                };
+                if closed {
+                    state.unreleased = state.unreleased.saturating_sub(1);
+                } else {
+                    state.pending.park(record);
+                    state.held = true;
+                }
+            }
+        }
     }
 
     /// Takes one record in: track it, then route it, park it, or dead-letter it. True when its
@@ -970,11 +1010,7 @@ impl IntakeLoop {
             state.pending.park(record);
         } else {
             let d = self.router.route(record.session().unwrap_or_default());
-            match offer(&self.dispatchers[d], record) {
-                Offer::Taken => {}
-                Offer::Full(record) => state.pending.park(record),
-                Offer::Closed(_) => state.unreleased -= 1,
-            }
+            self.outbox.borrow_mut()[d].push(record);
         }
         let span = book
             .tracker
@@ -1283,10 +1319,12 @@ impl IntakeLoop {
     }
 }
 
-fn offer(dispatcher: &mpsc::Sender<Box<InputRecord>>, record: Box<InputRecord>) -> Offer {
-    match dispatcher.try_send(record) {
+/// One parked record offered again, as a batch of its own (backpressure is rare enough).
+fn offer(dispatcher: &Handoff, record: Box<InputRecord>) -> Offer {
+    let one = |mut batch: Batch| batch.pop().expect("the batch of one comes back whole");
+    match dispatcher.offer(vec![record]) {
         Ok(()) => Offer::Taken,
-        Err(mpsc::error::TrySendError::Full(r)) => Offer::Full(r),
-        Err(mpsc::error::TrySendError::Closed(r)) => Offer::Closed(r),
+        Err(Refused::Full(back)) => Offer::Full(one(back)),
+        Err(Refused::Closed(back)) => Offer::Closed(one(back)),
     }
 }

@@ -16,6 +16,7 @@ pub mod demo;
 pub mod dispatcher;
 pub mod dlq;
 pub mod handler;
+pub mod handoff;
 pub mod health;
 pub mod intake;
 pub mod lag;

@@ -11,7 +11,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rdkafka::producer::Producer;
-use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::{CancellationToken, DropGuard};
 use tokio_util::task::TaskTracker;
@@ -142,7 +141,7 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
     let idle = Duration::from_millis(config.session_idle_ms);
     let senders: Vec<_> = (0..config.dispatchers)
         .map(|_| {
-            let (tx, rx) = mpsc::channel(config.dispatcher_capacity);
+            let (tx, rx) = crate::handoff::handoff(config.dispatcher_capacity);
             sessions.spawn(Dispatcher::new(rx, session_ctx.clone(), idle, sessions.clone()).run());
             tx
         })
