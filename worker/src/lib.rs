@@ -15,6 +15,7 @@ pub mod config;
 pub mod demo;
 pub mod dispatcher;
 pub mod dlq;
+pub mod fetched;
 pub mod handler;
 pub mod handoff;
 pub mod health;

@@ -18,15 +18,18 @@
 //! [`PartitionQueues::sync`] reports a split for that.
 
 use std::collections::BTreeMap;
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
+use std::ptr::NonNull;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
+use rdkafka::bindings::{rd_kafka_queue_destroy, rd_kafka_queue_get_partition, rd_kafka_queue_t};
 use rdkafka::consumer::base_consumer::PartitionQueue;
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::KafkaResult;
 use rdkafka::message::BorrowedMessage;
 
+use crate::fetched::{self, FetchedMessage};
 use crate::offsets::Partition;
 
 /// Rung (from librdkafka's threads) when a partition queue gets records while empty.
@@ -131,10 +134,40 @@ pub fn main_queue_len<C: ConsumerContext>(consumer: &BaseConsumer<C>) -> usize {
 pub struct PartitionQueues<C: ConsumerContext + 'static> {
     consumer: Arc<BaseConsumer<C>>,
     topic: String,
-    /// The topic for librdkafka's C API (queue lengths).
+    /// The topic for librdkafka's C API (our queue handles).
     topic_c: CString,
-    queues: BTreeMap<Partition, PartitionQueue<C>>,
+    /// rdkafka's handle rings the doorbell; our own handle on the same queue takes records in
+    /// batches (see `fetched`).
+    queues: BTreeMap<Partition, (PartitionQueue<C>, QueueHandle)>,
     doorbell: Arc<Doorbell>,
+}
+
+/// A reference of our own to a partition's fetch queue, released when dropped.
+struct QueueHandle(NonNull<rd_kafka_queue_t>);
+
+// SAFETY: librdkafka's queue handles may be used and released from any thread.
+unsafe impl Send for QueueHandle {}
+
+impl QueueHandle {
+    fn of<C: ConsumerContext>(
+        consumer: &BaseConsumer<C>,
+        topic: &CStr,
+        p: Partition,
+    ) -> Option<Self> {
+        // SAFETY: the client pointer is valid while `consumer` is borrowed, the topic is
+        // NUL-terminated; the handle is a new reference, released in `drop`.
+        let queue = unsafe {
+            rd_kafka_queue_get_partition(consumer.client().native_ptr(), topic.as_ptr(), p)
+        };
+        NonNull::new(queue).map(Self)
+    }
+}
+
+impl Drop for QueueHandle {
+    fn drop(&mut self) {
+        // SAFETY: our own reference, released once.
+        unsafe { rd_kafka_queue_destroy(self.0.as_ptr()) }
+    }
 }
 
 impl<C: ConsumerContext + 'static> PartitionQueues<C> {
@@ -158,11 +191,13 @@ impl<C: ConsumerContext + 'static> PartitionQueues<C> {
             if self.queues.contains_key(&p) {
                 continue;
             }
-            match self.consumer.split_partition_queue(&self.topic, p) {
-                Some(mut queue) => {
+            let split_off = self.consumer.split_partition_queue(&self.topic, p);
+            let handle = QueueHandle::of(&self.consumer, &self.topic_c, p);
+            match split_off.zip(handle) {
+                Some((mut queue, handle)) => {
                     let bell = self.doorbell.clone();
                     queue.set_nonempty_callback(move || bell.ring());
-                    self.queues.insert(p, queue);
+                    self.queues.insert(p, (queue, handle));
                     split = true;
                 }
                 // Only for an invalid topic name or partition; its records (if any) keep
@@ -179,25 +214,11 @@ impl<C: ConsumerContext + 'static> PartitionQueues<C> {
 
     /// Records waiting in the partitions' queues (fetched ahead, not taken yet).
     pub fn waiting(&self) -> usize {
-        use rdkafka::bindings::{
-            rd_kafka_queue_destroy, rd_kafka_queue_get_partition, rd_kafka_queue_length,
-        };
-        let client = self.consumer.client().native_ptr();
+        use rdkafka::bindings::rd_kafka_queue_length;
         self.queues
-            .keys()
-            .map(|&p| {
-                // SAFETY: the client pointer is valid while `self.consumer` lives, the topic is
-                // NUL-terminated; the queue handle is our own reference, released after use.
-                unsafe {
-                    let queue = rd_kafka_queue_get_partition(client, self.topic_c.as_ptr(), p);
-                    if queue.is_null() {
-                        return 0;
-                    }
-                    let waiting = rd_kafka_queue_length(queue);
-                    rd_kafka_queue_destroy(queue);
-                    waiting
-                }
-            })
+            .values()
+            // SAFETY: the handle is live while it is in `queues`.
+            .map(|(_, handle)| unsafe { rd_kafka_queue_length(handle.0.as_ptr()) })
             .sum()
     }
 
@@ -206,9 +227,19 @@ impl<C: ConsumerContext + 'static> PartitionQueues<C> {
         self.queues.keys().copied()
     }
 
-    /// The next record of `partition`'s queue, if one is there now.
-    pub fn poll(&self, partition: Partition) -> Option<KafkaResult<BorrowedMessage<'_>>> {
-        self.queues.get(&partition)?.poll(Duration::ZERO)
+    /// Takes up to `max` records waiting in `partition`'s queue now (at most
+    /// [`fetched::AT_ONCE`]), handing each to `each` in offset order. Returns how many.
+    pub fn take(
+        &self,
+        partition: Partition,
+        max: usize,
+        each: impl FnMut(KafkaResult<&FetchedMessage<'_>>),
+    ) -> usize {
+        let Some((_, handle)) = self.queues.get(&partition) else {
+            return 0;
+        };
+        // SAFETY: the handle is live while it is in `queues`, and the consumer outlives `self`.
+        unsafe { fetched::take(handle.0, max, each) }
     }
 
     /// Waits until a partition queue gets records, or `timeout`.

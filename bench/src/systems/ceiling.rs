@@ -3,8 +3,8 @@
 //! One `BaseConsumer` on one thread, handing each record to the measurements only. It reads
 //! the records the way the engine does: each partition split into its own queue (the engine's
 //! `partition_queues`, detached before the assignment so no record goes through the main
-//! queue), taken in bursts from every partition in turn, with a wait on the queues' doorbell
-//! when all are empty. Polling the consumer's single queue instead made this "ceiling" swing
+//! queue), taken in bursts from every partition in turn (a burst in one call, as the engine's
+//! `fetched`), with a wait on the queues' doorbell when all are empty. Polling the consumer's single queue instead made this "ceiling" swing
 //! between runs (librdkafka hands a backlog out through it one partition at a time) and fall
 //! below the designs it bounds. Whatever a real design adds (routing, a handler, retries,
 //! offset bookkeeping) can only cost, so this is the rate the others are held against.
@@ -15,7 +15,6 @@ use std::time::Duration;
 
 use futures::FutureExt;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::BorrowedMessage;
 use rdkafka::Message;
 use sessionflow_worker::partition_queues::{detach_before_assign, PartitionQueues};
 
@@ -28,6 +27,13 @@ const BURST: usize = 256;
 /// Longest wait for records while every queue is empty (also how often `stop` is checked).
 const IDLE_WAIT: Duration = Duration::from_millis(50);
 
+/// Hands a record to the measurements.
+fn observe(core: &Core, m: &impl Message) {
+    if let Some(v) = decode(m.payload(), seq_header(m.headers())) {
+        core.observe(v, m.partition());
+    }
+}
+
 pub fn start(settings: &SystemSettings, core: Arc<Core>) -> anyhow::Result<Running> {
     let consumer: Arc<BaseConsumer> = Arc::new(baseline_consumer(settings, false).create()?);
     for p in 0..settings.partitions {
@@ -38,11 +44,6 @@ pub fn start(settings: &SystemSettings, core: Arc<Core>) -> anyhow::Result<Runni
     queues.sync(&(0..settings.partitions).collect::<Vec<_>>());
     let stop = Arc::new(AtomicBool::new(false));
     let stopping = stop.clone();
-    let observe = move |m: &BorrowedMessage<'_>| {
-        if let Some(v) = decode(m.payload(), seq_header(m.headers())) {
-            core.observe(v, m.partition());
-        }
-    };
     let thread = std::thread::Builder::new()
         .name("ceiling".into())
         .spawn(move || {
@@ -53,26 +54,18 @@ pub fn start(settings: &SystemSettings, core: Arc<Core>) -> anyhow::Result<Runni
                 while let Some(polled) = consumer.poll(Duration::ZERO) {
                     match polled {
                         Ok(m) => {
-                            observe(&m);
+                            observe(&core, &m);
                             took = true;
                         }
                         Err(e) => eprintln!("ceiling: consume error: {e}"),
                     }
                 }
                 for &p in &partitions {
-                    for _ in 0..BURST {
-                        match queues.poll(p) {
-                            Some(Ok(m)) => {
-                                observe(&m);
-                                took = true;
-                            }
-                            Some(Err(e)) => {
-                                eprintln!("ceiling: consume error: {e}");
-                                break;
-                            }
-                            None => break,
-                        }
-                    }
+                    let taken = queues.take(p, BURST, |m| match m {
+                        Ok(m) => observe(&core, m),
+                        Err(e) => eprintln!("ceiling: consume error: {e}"),
+                    });
+                    took |= taken > 0;
                 }
                 if !took {
                     queues.wait(IDLE_WAIT);
