@@ -778,44 +778,40 @@ mod tests {
 
     #[test]
     fn censoring_counts_only_healthy_records_never_done() {
-        let m = Measured {
-            expected: 100,
-            expected_healthy: 95,
-            cap_secs: 1.0,
-            result: RunResult {
-                handled: 90,
-                healthy_handled: 85,
-                ..Default::default()
-            },
-            broker_cpu_s: None,
-            wall_s: 0.0,
-            offered_rate: None,
-            produced_rate: None,
-            rounds: Vec::new(),
+        let result = RunResult {
+            handled: 90,
+            healthy_handled: 85,
+            ..Default::default()
         };
         // 95 healthy records, 85 of them done.
-        assert_eq!(m.censored_healthy(), 10);
+        assert_eq!(measured(100, 95, result).censored_healthy(), 10);
     }
 
-    /// A drain of 1,000 records over `secs`, with `rss` as its peak.
-    fn drained(secs: u64, rss: u64) -> Measured {
+    /// A run's measurements: `result` of `expected` records, `healthy` of them healthy.
+    fn measured(expected: u64, healthy: u64, result: RunResult) -> Measured {
         Measured {
-            expected: 1_000,
-            expected_healthy: 1_000,
+            expected,
+            expected_healthy: healthy,
             cap_secs: 60.0,
-            result: RunResult {
-                handled: 1_000,
-                first_us: Some(0),
-                last_us: Some(secs * 1_000_000),
-                peak_rss: rss,
-                ..Default::default()
-            },
+            result,
             broker_cpu_s: None,
             wall_s: 0.0,
             offered_rate: None,
             produced_rate: None,
             rounds: Vec::new(),
         }
+    }
+
+    /// A drain of 1,000 records over `secs`, with `rss` as its peak.
+    fn drained(secs: u64, rss: u64) -> Measured {
+        let result = RunResult {
+            handled: 1_000,
+            first_us: Some(0),
+            last_us: Some(secs * 1_000_000),
+            peak_rss: rss,
+            ..Default::default()
+        };
+        measured(1_000, 1_000, result)
     }
 
     #[test]

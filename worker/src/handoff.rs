@@ -8,9 +8,10 @@
 //! whole: those costs are paid once per batch.
 //!
 //! The bound is still what `dispatcherCapacity` says: records handed over and not yet taken
-//! by the dispatcher. A batch that would pass it is refused whole, and the consumer loop parks
-//! its records (backpressure, see `backpressure`). A dispatcher with nothing waiting takes any
-//! batch, so one larger than the bound is never refused for ever.
+//! by the dispatcher. Of a batch larger than the room left, the records that fit go over, in
+//! order, and the rest comes back; the consumer loop parks it (backpressure, see
+//! `backpressure`). The records that come back are the batch's last, so a session's records
+//! still reach its dispatcher in the order they were taken.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -34,12 +35,12 @@ pub fn handoff(capacity: usize) -> (Handoff, Takeoff) {
     (handoff, Takeoff { rx, waiting })
 }
 
-/// Why a batch was not handed over; it comes back whole.
+/// What of a batch was not handed over, and why.
 #[derive(Debug)]
 pub enum Refused {
-    /// The dispatcher has too many records waiting.
+    /// The dispatcher had room for only the records before these (maybe none).
     Full(Batch),
-    /// The dispatcher is gone (shutdown).
+    /// The dispatcher is gone (shutdown): the whole batch.
     Closed(Batch),
 }
 
@@ -52,19 +53,37 @@ pub struct Handoff {
 }
 
 impl Handoff {
-    /// Hands `batch` over, unless it would pass the bound.
+    /// Hands over as much of `batch` as the bound has room for, from its first record on.
     pub fn offer(&self, batch: Batch) -> Result<(), Refused> {
-        let n = batch.len();
         // Only this end adds: the count can fall between this look and the add, never rise.
-        let waiting = self.waiting.load(Ordering::Acquire);
-        if waiting > 0 && waiting + n > self.capacity {
+        let room = self
+            .capacity
+            .saturating_sub(self.waiting.load(Ordering::Acquire));
+        if batch.is_empty() {
+            return Ok(());
+        }
+        if room == 0 {
             return Err(Refused::Full(batch));
         }
+        let mut batch = batch;
+        let rest = if batch.len() > room {
+            batch.split_off(room)
+        } else {
+            Batch::new()
+        };
+        let n = batch.len();
         self.waiting.fetch_add(n, Ordering::AcqRel);
-        self.tx.send(batch).map_err(|e| {
+        if let Err(e) = self.tx.send(batch) {
             self.waiting.fetch_sub(n, Ordering::AcqRel);
-            Refused::Closed(e.0)
-        })
+            let mut all = e.0;
+            all.extend(rest);
+            return Err(Refused::Closed(all));
+        }
+        if rest.is_empty() {
+            Ok(())
+        } else {
+            Err(Refused::Full(rest))
+        }
     }
 }
 
@@ -119,6 +138,10 @@ mod tests {
             panic!("an eleventh record passes a bound of ten");
         };
         assert_eq!(back.len(), 1, "a refused batch comes back whole");
+        assert!(
+            tx.offer(Batch::new()).is_ok(),
+            "nothing to hand over fits anywhere"
+        );
         let mut got = Vec::new();
         assert_eq!(rx.take(&mut got, 8).await, 2);
         assert_eq!(offsets(&got), (0..10).collect::<Vec<_>>());
@@ -130,24 +153,33 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_batch_larger_than_the_bound_passes_when_nothing_waits() {
+    async fn of_a_batch_larger_than_the_room_the_first_records_go_and_the_rest_comes_back() {
         let (tx, mut rx) = handoff(4);
-        tx.offer(batch(0..9)).unwrap();
-        assert!(matches!(tx.offer(batch(9..10)), Err(Refused::Full(_))));
+        tx.offer(batch(0..1)).unwrap();
+        let Err(Refused::Full(rest)) = tx.offer(batch(1..9)) else {
+            panic!("eight records fit in a room of three");
+        };
+        assert_eq!(
+            offsets(&[rest]),
+            (4..9).collect::<Vec<_>>(),
+            "the last ones come back"
+        );
         let mut got = Vec::new();
         rx.take(&mut got, 8).await;
-        assert_eq!(got[0].len(), 9);
-        tx.offer(batch(9..10)).unwrap();
+        assert_eq!(offsets(&got), (0..4).collect::<Vec<_>>());
+        // All taken: room for four again.
+        tx.offer(batch(4..8)).unwrap();
+        assert!(matches!(tx.offer(batch(8..9)), Err(Refused::Full(_))));
     }
 
     #[tokio::test]
     async fn a_gone_dispatcher_hands_the_batch_back_and_counts_nothing() {
         let (tx, rx) = handoff(4);
         drop(rx);
-        let Err(Refused::Closed(back)) = tx.offer(batch(0..3)) else {
+        let Err(Refused::Closed(back)) = tx.offer(batch(0..6)) else {
             panic!("a batch for a gone dispatcher is taken");
         };
-        assert_eq!(back.len(), 3);
+        assert_eq!(back.len(), 6, "the whole batch, past the room too");
         assert_eq!(tx.waiting.load(Ordering::Acquire), 0);
     }
 

@@ -927,11 +927,11 @@ impl IntakeLoop {
         took
     }
 
-    /// Hands each dispatcher the batch this turn gathered for it. A batch refused for want of
-    /// room is parked, record by record in the order taken, in the pending buffers of the
-    /// records' partitions (it holds them; `relieve_pressure` offers them again). A batch for a
-    /// dispatcher that is gone (shutdown) is dropped, and its records are no longer counted as
-    /// waiting to be released.
+    /// Hands each dispatcher the batch this turn gathered for it. What finds no room (the
+    /// batch's last records) is parked, record by record in the order taken, in the pending
+    /// buffers of the records' partitions (it holds them; `relieve_pressure` offers them
+    /// again). A batch for a dispatcher that is gone (shutdown) is dropped, and its records are
+    /// no longer counted as waiting to be released.
     fn hand_over(&self) {
         let mut outbox = self.outbox.borrow_mut();
         for (dispatcher, batch) in self.dispatchers.iter().zip(outbox.iter_mut()) {

@@ -1,9 +1,11 @@
 //! sessionflow-worker: a Kafka stage that keeps per-session order while sessions run in
 //! parallel.
 //!
-//! A record's path reads top to bottom in module order: the consumer loop ([`intake`]) tracks
-//! its offset ([`offsets`]) and hashes its session onto a dispatcher ([`routing`],
-//! [`dispatcher`]), parking it when the dispatchers are full ([`backpressure`]); the
+//! A record's path: the consumer loop ([`intake`]) takes it in a burst from its partition's
+//! queue ([`partition_queues`], [`fetched`]) into a [`record`], tracks its offset
+//! ([`offsets`]) and hashes its session onto a dispatcher ([`routing`]), to which it hands the
+//! turn's records as one batch ([`handoff`], [`dispatcher`]), parking them when the
+//! dispatcher is full ([`backpressure`]); the
 //! session's own task ([`session`]) runs the [`handler`], retrying in place ([`retry`]); the
 //! [`producer`] writes the output or the dead letter ([`dlq`]) and reports the record done
 //! ([`completion`]), and the consumer loop commits the contiguous watermark.

@@ -1,6 +1,6 @@
-//! Backpressure: with tiny dispatcher channels and a slow handler the partitions are held
-//! (nothing more taken from their queues), a record parked, and released — nothing dropped,
-//! order kept, memory bounded. A held partition holds only itself: the others' records do not
+//! Backpressure: with tiny dispatchers and a slow handler the partitions are held (nothing more
+//! taken from their queues), records parked, and released — nothing dropped, order kept,
+//! memory bounded. A held partition holds only itself: the others' records do not
 //! wait behind its own.
 
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
@@ -105,10 +105,11 @@ async fn full_dispatchers_hold_and_release_partitions_without_loss() {
         "no lag reported while held"
     );
     assert_eq!(held_at_end, 0, "a partition stayed held");
-    // Bounded: a partition is held at its first parked record and at its in-flight cap, so
-    // at most one record per partition is parked and at most the cap is in flight — not the
-    // 1,000 waiting in the topic.
-    assert!(pending <= 2, "{pending} records parked");
+    // Bounded: a partition is held once a record of it is parked and at its in-flight cap, and
+    // a burst taken from librdkafka is no larger than the partition's in-flight room, so what
+    // is parked is at most the rest of one burst per partition and at most the cap is in
+    // flight — not the 1,000 waiting in the topic.
+    assert!(pending <= 2 * 64, "{pending} records parked");
     assert!(in_flight <= 2 * 64, "{in_flight} records in flight");
     let report = verify_pipeline(&topics);
     assert!(report.is_ok(), "{report}");
