@@ -916,9 +916,7 @@ impl IntakeLoop {
                 }
             };
             let taken = queues.take(p, room.min(BURST), |message| match message {
-                Ok(message) => {
-                    self.intake(message);
-                }
+                Ok(message) => self.intake(message),
                 Err(e) => tracing::warn!(error = %e, partition = p, "consume error"),
             });
             took |= taken > 0;
@@ -959,21 +957,20 @@ impl IntakeLoop {
         }
     }
 
-    /// Takes one record in: track it, then route it, park it, or dead-letter it. True when its
-    /// partition is held now.
-    fn intake(&self, message: &impl Message) -> bool {
+    /// Takes one record in: track it, then route it, park it, or dead-letter it; hold its
+    /// partition if that is now due.
+    fn intake(&self, message: &impl Message) {
         let ctx = self.consumer.context();
         let partition = message.partition();
         let offset = message.offset();
         let mut book = ctx.book();
         let book = &mut *book;
         let Some(state) = book.partitions.get_mut(&partition) else {
-            return false; // a late record of a partition no longer assigned here
+            return; // a late record of a partition no longer assigned here
         };
-        let lease = state.lease.clone();
         if book.tracker.begin(partition, offset).is_err() {
             // Already taken in (a record fetched again); never process twice.
-            return state.held;
+            return;
         }
         ctx.metrics.records_in.inc();
         if state.done_above.is_done(offset) {
@@ -981,7 +978,7 @@ impl IntakeLoop {
             // the watermark moves over it.
             ctx.metrics.replay_skipped.inc();
             let _ = book.tracker.complete(partition, offset);
-            return state.held;
+            return;
         }
         state.unreleased += 1;
         // Boxed here, once: the dispatcher's channel, the pending buffer and the session's queue
@@ -990,7 +987,7 @@ impl IntakeLoop {
             message,
             book.topic.clone(),
             &ctx.settings.session,
-            lease,
+            state.lease.clone(),
         ));
         if record.session().is_none() {
             let producer = self.producer.clone();
@@ -1030,7 +1027,6 @@ impl IntakeLoop {
         {
             state.held = true;
         }
-        state.held
     }
 
     /// Moves parked records on, and lets held partitions take records again once their
