@@ -637,7 +637,7 @@ mod tests {
         assert_eq!(plans[1].config.dispatchers, 3);
         assert_eq!(
             plans[0].config.prefetch_kbytes,
-            32 * 1_024,
+            16 * 1_024,
             "worker default"
         );
         assert_eq!(plans[1].config.prefetch_kbytes, 8_192);

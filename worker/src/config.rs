@@ -70,7 +70,9 @@ pub struct StageConfig {
     pub max_in_flight_per_partition: usize,
     /// KiB of records librdkafka may fetch ahead for this worker, in total over its assigned
     /// partitions: each partition's queue gets an equal share (at least 64 KiB) by the input
-    /// topic's partition count when the worker starts (see `prefetch`). Replaces
+    /// topic's partition count when the worker starts, and a fetch answer carries at most one
+    /// share (at least `message.max.bytes`), so the queues hold at most twice this (see
+    /// `prefetch`). Replaces
     /// `kafka.queued.max.messages.kbytes`, which librdkafka applies per partition once each
     /// partition has its own queue.
     #[serde(default = "defaults::prefetch_kbytes")]
@@ -354,7 +356,7 @@ pub mod defaults {
         10_000
     }
     pub fn prefetch_kbytes() -> u64 {
-        32 * 1_024
+        16 * 1_024
     }
     pub fn prefetch_records() -> u64 {
         16_384

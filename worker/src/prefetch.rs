@@ -17,12 +17,17 @@
 //! count.
 //!
 //! librdkafka asks for a partition while its queue holds less than its share, and one answer
-//! adds up to `max.partition.fetch.bytes` to it: the engine lowers that to the share (when it
-//! is below librdkafka's 1 MiB default), so a queue holds at most two shares and the worker's
-//! queues at most twice the budget. A fetch answer on its way is at most `fetch.max.bytes`:
-//! left alone, librdkafka lowers it to one queue's share, so one request would carry a single
-//! share for all the partitions it asks for; the engine sets it to the whole budget instead
-//! (within what librdkafka accepts).
+//! adds to it. How much is the broker's call. Kafka lets a partition pass
+//! `max.partition.fetch.bytes` by its first batch only, and the engine lowers that to the
+//! share (when it is below librdkafka's 1 MiB default). nisshi 0.8.1, the broker of the tests
+//! and the bench, gives the first non-empty partition of an answer the request's whole
+//! `fetch.max.bytes`. So the engine bounds the answer too: `fetch.max.bytes` is one share
+//! (librdkafka's own choice, were it left alone), within what librdkafka accepts (at least
+//! `message.max.bytes`, 1 MB unless set). Then a queue holds at most two shares (what it held
+//! when it asked, and one answer) on either broker, and the worker's queues at most twice the
+//! budget. With answers of the whole budget, as the engine asked for before, one queue took up
+//! to 32 MiB and its records' bookkeeping with it: P1's peak heap was ~90 MB, 97 % of it
+//! librdkafka's (BENCHMARKS.md, *librdkafka's answers, one share each*).
 //!
 //! Bytes alone do not bound the memory of small records: librdkafka keeps a few hundred bytes
 //! of its own per queued record, and asks for more while a queue holds fewer than
@@ -30,13 +35,8 @@
 //! queues held ~290,000 records, and its peak RSS was 288 MiB where it is 150 MiB with 2,000
 //! per queue (P1 in BENCHMARKS.md). So `prefetchRecords` is a total too, shared the same way:
 //! librdkafka stops asking for a partition at its share of records, and a queue holds at most
-//! its share plus one answer.
-//!
-//! How big one answer is, is the broker's call. Kafka lets a partition pass
-//! `max.partition.fetch.bytes` by its first batch only. nisshi 0.8.1, the broker of the tests
-//! and the bench, gives the first non-empty partition of an answer the request's whole
-//! `fetch.max.bytes`, so there a queue can overshoot its record share many times over: 42,000
-//! records in a queue whose share was 2,048 in P1 (BENCHMARKS.md, *what P1 and P5 hold*).
+//! its share plus one answer (a share's bytes of records: with 130-byte records, ~16,000 of
+//! them for the default budget's share on 8 partitions).
 
 use std::time::Duration;
 
@@ -121,13 +121,13 @@ impl Prefetch {
         ]
     }
 
-    /// `fetch.max.bytes`: the whole budget per fetch request, but at least `message.max.bytes`
-    /// and at most `receive.message.max.bytes` − 512, as librdkafka requires (the defaults,
-    /// 1,000,000 and 100,000,000, unless the user set them).
+    /// `fetch.max.bytes`: one share per fetch answer, but at least `message.max.bytes` and at
+    /// most `receive.message.max.bytes` − 512, as librdkafka requires (the defaults, 1,000,000
+    /// and 100,000,000, unless the user set them).
     pub fn fetch_max_bytes(&self, message_max: Option<u64>, receive_max: Option<u64>) -> u64 {
         let message_max = message_max.unwrap_or(1_000_000);
         let receive_max = receive_max.unwrap_or(100_000_000);
-        (self.total_kbytes * 1_024)
+        (self.share_kbytes() * 1_024)
             .max(message_max)
             .min(receive_max.saturating_sub(512))
     }
@@ -195,17 +195,22 @@ mod tests {
     }
 
     #[test]
-    fn a_fetch_carries_the_whole_budget_within_librdkafkas_limits() {
+    fn a_fetch_answer_is_one_share_within_librdkafkas_limits() {
         let p = Prefetch::new(16 * 1_024, RECORDS, Some(8));
-        assert_eq!(p.fetch_max_bytes(None, None), 16 << 20);
+        assert_eq!(p.fetch_max_bytes(None, None), 2 << 20);
         assert_eq!(
             Prefetch::new(100, RECORDS, Some(1)).fetch_max_bytes(None, None),
             1_000_000,
             "at least message.max.bytes"
         );
+        assert_eq!(
+            Prefetch::new(512, RECORDS, Some(4)).fetch_max_bytes(Some(65_536), None),
+            128 * 1_024,
+            "one share when message.max.bytes allows it"
+        );
         assert_eq!(p.fetch_max_bytes(Some(32 << 20), None), 32 << 20);
         assert_eq!(
-            Prefetch::new(1 << 20, RECORDS, Some(8)).fetch_max_bytes(None, None),
+            Prefetch::new(1 << 20, RECORDS, Some(1)).fetch_max_bytes(None, None),
             100_000_000 - 512,
             "below receive.message.max.bytes"
         );
