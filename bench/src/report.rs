@@ -553,13 +553,13 @@ pub fn markdown(
             String::new()
         }
     );
-    md.push_str(
+    md.push_str(&format!(
         "## Definitions\n\n\
          - **throughput**: records ÷ (last handler completion − first handler call) of the \
          *backlog* run (the records are produced first, then the system drains them; start-up \
-         and group join are excluded). P1's backlog is drained in 3 rounds, the systems in turn, \
-         each round by a new group, and a system's row is its median round (every round is listed \
-         under the table). P4 has no backlog run: its throughput is the paced run's. \
+         and group join are excluded). P1's backlog is drained in {p1_rounds} rounds, the systems in \
+         turn, each round by a new group, and a system's row is its median round (every round is \
+         listed under the table). P4 has no backlog run: its throughput is the paced run's. \
          A run that hit its time cap is marked *capped* and its rate is what it handled in that \
          time.\n\
          - **latency**: from the moment the producer stamped the record (wall clock, just before \
@@ -584,7 +584,9 @@ pub fn markdown(
          exponential, full jitter) and the same consumer settings; sessionflow uses its defaults \
          (8 dispatchers × 1,024, 10,000 in flight per partition, commit every 1 s) with no \
          output topic, like the baselines.\n",
-    );
+        p1_rounds = crate::scenarios::P1_ROUNDS
+    ));
+
     if outcomes
         .iter()
         .any(|o| o.system(SystemKind::SessionflowOutput).is_some())
