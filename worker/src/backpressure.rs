@@ -85,6 +85,16 @@ pub fn should_hold(pending: usize, span: usize, max_in_flight: usize) -> bool {
     pending > 0 || span >= max_in_flight
 }
 
+/// How many records a partition that is not held may take in one burst: its in-flight room.
+/// A taken record cannot be put back, so a burst takes no more than one at a time would have.
+///
+/// `span` counts offsets, and the records in it are at most as many: with gaps in the offsets
+/// (a compacted topic, transaction markers) a burst can move the span past the limit, but the
+/// records in flight stay within it (span before + room ≤ limit).
+pub fn room(span: usize, max_in_flight: usize) -> usize {
+    max_in_flight.saturating_sub(span).max(1)
+}
+
 /// When a held partition may take records again: nothing parked, and a tenth of the in-flight
 /// limit free (at least one record).
 pub fn may_take_again(pending: usize, span: usize, max_in_flight: usize) -> bool {
@@ -164,6 +174,59 @@ mod tests {
         fn the_marks_agree(pending in 0usize..3, span in 0usize..50_000, max in 1usize..50_000) {
             if may_take_again(pending, span, max) {
                 proptest::prop_assert!(!should_hold(pending, span, max));
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+        /// The consumer loop's rules, with the real offset tracker: a partition not held takes
+        /// a burst of at most its room, is held at the limit, and takes again once a tenth is
+        /// free; sessions finish records in any order and commits follow. Whatever the gaps in
+        /// the offsets, the records in flight never pass the limit, and every record is taken
+        /// and finished in the end.
+        #[test]
+        fn gaps_in_the_offsets_never_put_more_records_in_flight_than_the_limit(
+            steps in proptest::collection::vec(
+                proptest::prop_oneof![4 => proptest::strategy::Just(1i64), 1 => 2i64..60],
+                1..300,
+            ),
+            cap in 1usize..40,
+            burst in 1usize..300,
+            picks in proptest::collection::vec(proptest::prelude::any::<proptest::sample::Index>(), 1..64),
+        ) {
+            use crate::offsets::PartitionOffsets;
+            let offsets: Vec<i64> = steps.iter().scan(0, |at, s| { *at += s; Some(*at) }).collect();
+            let mut tracker = PartitionOffsets::default();
+            let (mut next, mut in_flight, mut held) = (0, Vec::new(), false);
+            let mut turn = 0;
+            while next < offsets.len() || !in_flight.is_empty() {
+                turn += 1;
+                proptest::prop_assert!(turn < 100_000, "no progress: {} of {} taken", next, offsets.len());
+                if !held && next < offsets.len() {
+                    let take = room(tracker.replay_span(), cap).min(burst).min(offsets.len() - next);
+                    for &o in &offsets[next..next + take] {
+                        tracker.begin(o).unwrap();
+                        in_flight.push(o);
+                        held |= should_hold(0, tracker.replay_span(), cap);
+                    }
+                    next += take;
+                }
+                proptest::prop_assert!(
+                    in_flight.len() <= cap,
+                    "{} records in flight, limit {}", in_flight.len(), cap
+                );
+                // A session finishes one of the records in flight, any of them.
+                if !in_flight.is_empty() {
+                    let done = in_flight.swap_remove(picks[turn % picks.len()].index(in_flight.len()));
+                    tracker.complete(done).unwrap();
+                }
+                if let Some(w) = tracker.commit_candidate() {
+                    tracker.mark_sent(w);
+                    tracker.commit_confirmed(w);
+                }
+                let span = tracker.replay_span();
+                held = if held { !may_take_again(0, span, cap) } else { should_hold(0, span, cap) };
             }
         }
     }

@@ -898,9 +898,7 @@ impl IntakeLoop {
     /// call per partition (see `fetched`). True when a record was taken.
     ///
     /// A record taken from librdkafka cannot be put back, so a burst asks for no more than the
-    /// partition's in-flight room: the records before the limit, as one at a time would take.
-    /// (Offsets with gaps, as in a compacted topic, move the span by more than one a record,
-    /// and then a burst can pass the limit by what it took after the gap.)
+    /// partition's in-flight room ([`backpressure::room`]).
     fn take_from_partitions(&self, queues: &PartitionQueues<IntakeContext>) -> bool {
         let cap = self.ctx().settings.max_in_flight_per_partition;
         let mut took = false;
@@ -910,7 +908,7 @@ impl IntakeLoop {
                 match book.partitions.get(&p) {
                     Some(state) if !state.held => {
                         let span = book.tracker.partition(p).map_or(0, |o| o.replay_span());
-                        cap.saturating_sub(span).max(1)
+                        backpressure::room(span, cap)
                     }
                     _ => continue,
                 }
