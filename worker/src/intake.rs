@@ -305,14 +305,12 @@ impl Book {
         failed
     }
 
-    /// Whether a partition's replay span has reached half of `cap`: commit now rather than at
-    /// the interval, before the cap holds intake.
+    /// Whether a partition wants its commit now rather than at the interval, before the cap
+    /// holds intake ([`crate::offsets::PartitionOffsets::wants_early_commit`]).
     fn commit_urgent(&self, cap: usize) -> bool {
-        self.tracker.partitions().any(|(_, o)| {
-            o.replay_span() >= cap / 2
-                && o.commit_candidate()
-                    .is_some_and(|w| o.confirmed().is_none_or(|c| w > c))
-        })
+        self.tracker
+            .partitions()
+            .any(|(_, o)| o.wants_early_commit(cap))
     }
 
     /// The commit thread's commit has gone unanswered for several intervals: the partitions

@@ -166,6 +166,21 @@ impl PartitionOffsets {
         }
     }
 
+    /// Whether to commit now rather than at the interval: the replay span has reached half of
+    /// `cap` (past the cap the partition is held), and the watermark has moved at least an
+    /// eighth of `cap` past the last confirmed commit (or none was ever confirmed). A draining
+    /// backlog sits above half the cap for as long as it drains, and with a commit per turn
+    /// whose watermark had moved, the consumer loop sent ~430 commits a second there (P2),
+    /// each carrying every partition's completed-offset map; a commit gives back an eighth of
+    /// the cap at least, more than a held partition waits for (a tenth).
+    pub fn wants_early_commit(&self, cap: usize) -> bool {
+        let step = i64::try_from((cap / 8).max(1)).unwrap_or(i64::MAX);
+        self.replay_span() >= cap / 2
+            && self
+                .commit_candidate()
+                .is_some_and(|w| self.confirmed.is_none_or(|c| w >= c.saturating_add(step)))
+    }
+
     /// A commit turn passed: an unanswered commit ages.
     pub fn tick(&mut self) {
         if let Some((_, turns)) = &mut self.sent {
@@ -517,6 +532,57 @@ mod tests {
         assert!(t.revoke(3).is_some());
         assert_eq!(t.complete(3, 1), Ok(false));
         assert!(t.commit_candidates().is_empty());
+    }
+
+    #[test]
+    fn an_early_commit_waits_for_half_the_cap_and_an_eighth_of_it_gained() {
+        const CAP: usize = 80;
+        let mut p = PartitionOffsets::default();
+        p.set_confirmed(0);
+        for o in 0..39 {
+            p.begin(o).unwrap();
+        }
+        for o in 0..20 {
+            p.complete(o).unwrap();
+        }
+        assert!(
+            !p.wants_early_commit(CAP),
+            "39 in the span, below half of 80"
+        );
+        p.begin(39).unwrap();
+        assert!(p.wants_early_commit(CAP), "40 in the span, 20 gained");
+        p.mark_sent(20);
+        p.commit_confirmed(20);
+        for o in 40..60 {
+            p.begin(o).unwrap();
+        }
+        for o in 20..29 {
+            p.complete(o).unwrap();
+        }
+        assert_eq!(p.replay_span(), 40);
+        assert!(!p.wants_early_commit(CAP), "9 gained, less than an eighth");
+        p.complete(29).unwrap();
+        assert!(p.wants_early_commit(CAP), "10 gained, an eighth");
+        p.mark_sent(30);
+        assert!(!p.wants_early_commit(CAP), "already on its way");
+    }
+
+    #[test]
+    fn an_early_commit_needs_no_gain_before_the_first_confirmed_one_or_with_a_tiny_cap() {
+        let mut p = PartitionOffsets::default();
+        for o in 0..4 {
+            p.begin(o).unwrap();
+        }
+        p.complete(0).unwrap();
+        assert!(p.wants_early_commit(8), "nothing confirmed yet");
+        p.mark_sent(1);
+        p.commit_confirmed(1);
+        p.complete(1).unwrap();
+        assert!(
+            p.wants_early_commit(4),
+            "a cap below 8 asks for one offset gained"
+        );
+        assert!(!p.wants_early_commit(64), "a span of 3 is below half of 64");
     }
 
     /// A strategy for "n offsets with gaps, completed in an arbitrary order".
