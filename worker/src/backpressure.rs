@@ -105,6 +105,7 @@ pub fn may_take_again(pending: usize, span: usize, max_in_flight: usize) -> bool
 mod tests {
     use super::*;
     use crate::record::Lease;
+    use proptest::prelude::*;
     use std::sync::Arc;
 
     fn rec(offset: i64) -> Box<InputRecord> {
@@ -178,8 +179,8 @@ mod tests {
         }
     }
 
-    proptest::proptest! {
-        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
         /// The consumer loop's rules, with the real offset tracker: a partition not held takes
         /// a burst of at most its room, is held at the limit, and takes again once a tenth is
         /// free; sessions finish records in any order and commits follow. Whatever the gaps in
@@ -187,24 +188,29 @@ mod tests {
         /// and finished in the end.
         #[test]
         fn gaps_in_the_offsets_never_put_more_records_in_flight_than_the_limit(
-            steps in proptest::collection::vec(
-                proptest::prop_oneof![4 => proptest::strategy::Just(1i64), 1 => 2i64..60],
-                1..300,
-            ),
+            steps in prop::collection::vec(prop_oneof![4 => Just(1i64), 1 => 2i64..60], 1..300),
             cap in 1usize..40,
             burst in 1usize..300,
-            picks in proptest::collection::vec(proptest::prelude::any::<proptest::sample::Index>(), 1..64),
+            picks in prop::collection::vec(any::<prop::sample::Index>(), 1..64),
         ) {
             use crate::offsets::PartitionOffsets;
-            let offsets: Vec<i64> = steps.iter().scan(0, |at, s| { *at += s; Some(*at) }).collect();
+            let offsets: Vec<i64> = steps
+                .iter()
+                .scan(0, |at, s| {
+                    *at += s;
+                    Some(*at)
+                })
+                .collect();
             let mut tracker = PartitionOffsets::default();
             let (mut next, mut in_flight, mut held) = (0, Vec::new(), false);
             let mut turn = 0;
             while next < offsets.len() || !in_flight.is_empty() {
                 turn += 1;
-                proptest::prop_assert!(turn < 100_000, "no progress: {} of {} taken", next, offsets.len());
+                prop_assert!(turn < 100_000, "no progress: {} of {} taken", next, offsets.len());
                 if !held && next < offsets.len() {
-                    let take = room(tracker.replay_span(), cap).min(burst).min(offsets.len() - next);
+                    let take = room(tracker.replay_span(), cap)
+                        .min(burst)
+                        .min(offsets.len() - next);
                     for &o in &offsets[next..next + take] {
                         tracker.begin(o).unwrap();
                         in_flight.push(o);
@@ -212,13 +218,14 @@ mod tests {
                     }
                     next += take;
                 }
-                proptest::prop_assert!(
+                prop_assert!(
                     in_flight.len() <= cap,
                     "{} records in flight, limit {}", in_flight.len(), cap
                 );
                 // A session finishes one of the records in flight, any of them.
                 if !in_flight.is_empty() {
-                    let done = in_flight.swap_remove(picks[turn % picks.len()].index(in_flight.len()));
+                    let pick = picks[turn % picks.len()].index(in_flight.len());
+                    let done = in_flight.swap_remove(pick);
                     tracker.complete(done).unwrap();
                 }
                 if let Some(w) = tracker.commit_candidate() {

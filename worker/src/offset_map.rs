@@ -429,13 +429,17 @@ mod tests {
         fn writes_what_the_previous_encoder_wrote(
             watermark in 0i64..1_000_000,
             span in 0i64..3_000,
-            steps in proptest::collection::vec(prop_oneof![1i64..3, 1i64..40], 0..400),
+            steps in prop::collection::vec(prop_oneof![1i64..3, 1i64..40], 0..400),
             before in 0i64..3,
         ) {
             let next = watermark + span;
             let incomplete: Vec<Offset> = steps
                 .iter()
-                .scan(watermark - before, |at, s| { let o = *at; *at += s; Some(o) })
+                .scan(watermark - before, |at, s| {
+                    let o = *at;
+                    *at += s;
+                    Some(o)
+                })
                 .collect();
             let ours = encode(watermark, next, incomplete.iter().copied());
             let theirs = reference_encode(watermark, next, &incomplete);

@@ -27,7 +27,7 @@
 //! when it asked, and one answer) on either broker, and the worker's queues at most twice the
 //! budget. With answers of the whole budget, as the engine asked for before, one queue took up
 //! to 32 MiB and its records' bookkeeping with it: P1's peak heap was ~90 MB, 97 % of it
-//! librdkafka's (BENCHMARKS.md, *librdkafka's answers, one share each*).
+//! librdkafka's (BENCHMARKS.md, *librdkafka's answers, one share each, and fewer commits*).
 //!
 //! Bytes alone do not bound the memory of small records: librdkafka keeps a few hundred bytes
 //! of its own per queued record, and asks for more while a queue holds fewer than
