@@ -131,9 +131,12 @@ callgrind:
 ## the chaos process) under a schedule of faults drawn from CHAOS_SEED (default: the time,
 ## printed), CHAOS_SECONDS long, load from loadgen; ends with verify and committed == end,
 ## prints the schedule and a one-line verdict, exits 1 unless OK. Logs under .local/chaos/.
+## A harness that dies (the mock cluster's own assertions abort it) cannot stop its workers:
+## they are killed after it, so none is left fetching from a cluster that is gone.
 CHAOS_SEED ?=
 CHAOS_SECONDS ?= 120
 chaos:
 	$(CARGO) build -p sessionflow-worker --bin sessionflow-worker -p sessionflow-tests --bin sessionflow-chaos
 	CHAOS_SEED=$(CHAOS_SEED) CHAOS_SECONDS=$(CHAOS_SECONDS) \
-	  $${CARGO_TARGET_DIR:-target}/debug/sessionflow-chaos
+	  $${CARGO_TARGET_DIR:-target}/debug/sessionflow-chaos; status=$$?; \
+	  pkill -KILL -f 'sessionflow-worker run --config [.]local/chaos/' || true; exit $$status
