@@ -339,6 +339,25 @@ impl fmt::Display for Schedule {
 /// SyncGroup at the mock: the mock waits `session.timeout.ms` − 1 s for members (6 s in the
 /// run's config), and a killed worker's session times out 6 s after the kill.
 const REBALANCE_AFTER: Duration = Duration::from_secs(12);
+/// `session.timeout.ms` of the run's workers: a killed worker's session ends this long after.
+const SESSION_TIMEOUT: Duration = Duration::from_secs(6);
+
+impl Fault {
+    /// From when until when a fault starting at `at` may have a rebalance under way, for the
+    /// changes of membership; `None` for the others.
+    fn rebalance_window(&self, at: Duration) -> Option<(Duration, Duration)> {
+        match self {
+            Fault::KillWorker { restart_after, .. } => Some((
+                at,
+                at + (*restart_after).max(SESSION_TIMEOUT) + REBALANCE_AFTER,
+            )),
+            Fault::RestartWorker { .. } | Fault::JoinWorker | Fault::LeaveWorker { .. } => {
+                Some((at, at + REBALANCE_AFTER))
+            }
+            _ => None,
+        }
+    }
+}
 
 /// The mock cluster dies on its own assertion (`!member->resp`, RELIABILITY.md, "Limits of the
 /// mock cluster") when an OffsetCommit refused with an error that drops the coordinator makes
@@ -351,16 +370,7 @@ const REBALANCE_AFTER: Duration = Duration::from_secs(12);
 fn keep_the_coordinator_through_rebalances(events: &mut [Event]) {
     let rebalances: Vec<(Duration, Duration)> = events
         .iter()
-        .filter_map(|e| match e.fault {
-            Fault::KillWorker { restart_after, .. } => Some((
-                e.at,
-                e.at + restart_after.max(Duration::from_secs(6)) + REBALANCE_AFTER,
-            )),
-            Fault::RestartWorker { .. } | Fault::JoinWorker | Fault::LeaveWorker { .. } => {
-                Some((e.at, e.at + REBALANCE_AFTER))
-            }
-            _ => None,
-        })
+        .filter_map(|e| e.fault.rebalance_window(e.at))
         .collect();
     for e in events.iter_mut() {
         if let Fault::CommitErrors { error, lasting } = &mut e.fault {
@@ -482,14 +492,8 @@ mod tests {
                 }
                 kept += 1;
                 for m in &s.events {
-                    let until = match m.fault {
-                        Fault::KillWorker { restart_after, .. } => {
-                            m.at + restart_after.max(Duration::from_secs(6)) + REBALANCE_AFTER
-                        }
-                        Fault::RestartWorker { .. }
-                        | Fault::JoinWorker
-                        | Fault::LeaveWorker { .. } => m.at + REBALANCE_AFTER,
-                        _ => continue,
+                    let Some((_, until)) = m.fault.rebalance_window(m.at) else {
+                        continue;
                     };
                     assert!(
                         until < c.at || c.at + lasting < m.at,
