@@ -132,11 +132,13 @@ callgrind:
 ## printed), CHAOS_SECONDS long, load from loadgen; ends with verify and committed == end,
 ## prints the schedule and a one-line verdict, exits 1 unless OK. Logs under .local/chaos/.
 ## A harness that dies (the mock cluster's own assertions abort it) cannot stop its workers:
-## they are killed after it, so none is left fetching from a cluster that is gone.
+## they are killed after it, so none is left fetching from a cluster that is gone. Their
+## command lines name their config by its absolute path, so only this checkout's are killed
+## (`[.]` keeps the pattern from matching the shell that runs pkill).
 CHAOS_SEED ?=
 CHAOS_SECONDS ?= 120
 chaos:
 	$(CARGO) build -p sessionflow-worker --bin sessionflow-worker -p sessionflow-tests --bin sessionflow-chaos
 	CHAOS_SEED=$(CHAOS_SEED) CHAOS_SECONDS=$(CHAOS_SECONDS) \
 	  $${CARGO_TARGET_DIR:-target}/debug/sessionflow-chaos; status=$$?; \
-	  pkill -KILL -f 'sessionflow-worker run --config [.]local/chaos/' || true; exit $$status
+	  pkill -KILL -f 'sessionflow-worker run --config $(CURDIR)/[.]local/chaos/' || true; exit $$status

@@ -39,6 +39,10 @@ impl Settings {
             Some(d) => PathBuf::from(d),
             None => fresh_dir(&format!(".local/chaos/seed-{seed}")),
         };
+        // Absolute, so that the workers' command lines (`run --config <dir>/…`) name this
+        // checkout: `make chaos` kills the workers a dead harness left by that path, and no
+        // other checkout's.
+        let dir = std::path::absolute(&dir)?;
         let worker = match var("CHAOS_WORKER") {
             Some(w) => PathBuf::from(w),
             None => std::env::current_exe()?
