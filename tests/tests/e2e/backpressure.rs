@@ -170,3 +170,52 @@ async fn a_held_partition_does_not_hold_the_others() {
     handler.assert_in_order();
     topics.delete().await;
 }
+
+/// The in-flight cap counts from the last commit the broker confirmed, so a partition that
+/// reaches it is held until a commit is confirmed. With the commit interval an hour away, only
+/// the early commits (once the replay span reaches half the cap and the watermark has gained an
+/// eighth of it, see `offsets`) can release it: a backlog of thirty caps drains, and the
+/// group's committed offset follows it, long before the interval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn early_commits_release_a_held_partition_without_the_interval() {
+    const CAP: i64 = 64;
+    let topics = Topics::create("early-commit", 1).await;
+    produce_round_robin(&topics, 40, 50).await;
+    let records: i64 = topics.end_offsets(&topics.input).iter().sum();
+    let handler = RecordingHandler::new(|s, q, _| Ok(Some(format!("{s}:{q}").into_bytes())));
+    let mut stage = topics.stage(builtin(0.0, 0.0));
+    stage.max_in_flight_per_partition = CAP as usize;
+    stage.commit_interval_ms = 3_600_000;
+    let worker = sessionflow_worker::start(stage, handler.clone())
+        .await
+        .unwrap();
+
+    let output = topics.output.clone();
+    let written = || -> i64 { topics.end_offsets(&output).iter().sum() };
+    sessionflow_tests::wait_until(Duration::from_secs(60), || written() == records)
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "{} of {records} records drained with a cap of {CAP}, committed {:?}: \
+                 the held partition was not released by early commits",
+                written(),
+                topics.committed()
+            )
+        });
+    // Within the cap of the end: what is left above the last early commit is less than the
+    // span that would want another one.
+    sessionflow_tests::wait_until(Duration::from_secs(30), || {
+        topics.committed()[0] >= records - CAP
+    })
+    .await
+    .unwrap_or_else(|_| panic!("committed {:?} of {records}", topics.committed()));
+    let held = worker.metrics.paused_partitions.get();
+    worker.shutdown().await.unwrap();
+    assert_eq!(held, 0, "the partition stayed held after the drain");
+    topics.wait_fully_committed(Duration::from_secs(30)).await;
+    let report = verify_pipeline(&topics);
+    assert!(report.is_ok(), "{report}");
+    assert_eq!((report.records, report.duplicates), (2_000, 0), "{report}");
+    handler.assert_in_order();
+    topics.delete().await;
+}
