@@ -94,14 +94,20 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 /// not only when it next allocates. `tcache_gc_incr_bytes:1048576`: a thread's cache is swept
 /// for unused objects after every MiB it allocates, not every 64 KiB; at the default the sweeps
 /// cost ~350 instructions per record on the consumer loop, which allocates every record
-/// (BENCHMARKS.md, *Headers read once, caches swept less often*).
+/// (BENCHMARKS.md, *Headers read once, caches swept less often*). `slab_sizes:1-4096:4`: the
+/// size classes up to 4 KiB are carved from slabs of (at least) four pages, not one to three:
+/// a burst of a million sessions is mostly such blocks, and after their reap P5's RSS stood at
+/// 1.157–1.172 × its resting baseline against 1.185–1.210 × with jemalloc's slabs (six runs
+/// each; two-page slabs read like the default, eight-page ones like four). Fewer, larger slabs
+/// leave fewer descriptors and fewer partly used pages behind (BENCHMARKS.md, the ninth round).
 #[cfg(feature = "jemalloc")]
 #[allow(non_upper_case_globals)]
 #[unsafe(export_name = "malloc_conf")]
 pub static malloc_conf: Option<&'static std::ffi::c_char> =
     // SAFETY: a pointer to the first byte of a static, NUL-terminated string.
     Some(unsafe {
-        &*c"background_thread:true,muzzy_decay_ms:0,tcache_gc_incr_bytes:1048576".as_ptr()
+        &*c"background_thread:true,muzzy_decay_ms:0,tcache_gc_incr_bytes:1048576,slab_sizes:1-4096:4"
+            .as_ptr()
     });
 
 /// Hands the heap's free pages back to the kernel: jemalloc's arenas with the feature (which
@@ -285,6 +291,24 @@ mod tests {
             mallctl::<usize>(c"opt.tcache_gc_incr_bytes", None),
             Some(1 << 20)
         );
+        // `slab_sizes` has no `opt.` control: read a class's slab (128-byte blocks, one page
+        // by default, and a 1,280-byte class, five pages by default, whose four-page slab
+        // wastes a block's worth: the setting caps as well as raises).
+        let page = mallctl::<usize>(c"arenas.page", None).unwrap();
+        let slab_of = |size: usize| {
+            let bins = mallctl::<u32>(c"arenas.nbins", None).unwrap();
+            (0..bins)
+                .find(|i| {
+                    let name = std::ffi::CString::new(format!("arenas.bin.{i}.size")).unwrap();
+                    mallctl::<usize>(&name, None) == Some(size)
+                })
+                .map(|i| {
+                    let name = std::ffi::CString::new(format!("arenas.bin.{i}.slab_size")).unwrap();
+                    mallctl::<usize>(&name, None).unwrap()
+                })
+        };
+        assert_eq!(slab_of(128), Some(4 * page));
+        assert_eq!(slab_of(1_280), Some(4 * page));
     }
 
     #[cfg(feature = "jemalloc")]
