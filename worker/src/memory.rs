@@ -95,8 +95,9 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 /// for unused objects after every MiB it allocates, not every 64 KiB; at the default the sweeps
 /// cost ~350 instructions per record on the consumer loop, which allocates every record
 /// (BENCHMARKS.md, *Headers read once, caches swept less often*). `slab_sizes:1-4096:4`: the
-/// size classes up to 4 KiB are carved from slabs of (at least) four pages, not one to three:
-/// a burst of a million sessions is mostly such blocks, and after their reap P5's RSS stood at
+/// size classes up to 4 KiB are carved from slabs of four pages (one and two for the 8- and
+/// 16-byte classes, whose slabs hold at most 512 blocks), where jemalloc's own are one to seven
+/// pages by class: a burst of a million sessions is mostly such blocks, and after their reap P5's RSS stood at
 /// 1.157–1.172 × its resting baseline against 1.185–1.210 × with jemalloc's slabs (six runs
 /// each; two-page slabs read like the default, eight-page ones like four). Fewer, larger slabs
 /// leave fewer descriptors and fewer partly used pages behind (BENCHMARKS.md, the ninth round).
