@@ -408,7 +408,7 @@ rebalance: {{strategy: {rebalance}, drainTimeoutMs: 500}}
 commitIntervalMs: 200
 metricsAddr: null
 kafka:
-  session.timeout.ms: '6000'
+  session.timeout.ms: '{session_timeout_ms}'
   heartbeat.interval.ms: '500'
   fetch.wait.max.ms: '100'
   linger.ms: '2'
@@ -418,6 +418,7 @@ kafka:
         output = topics.output,
         dlq = topics.dlq,
         handler = handler.yaml(),
+        session_timeout_ms = schedule::SESSION_TIMEOUT.as_millis(),
         producer = cluster::PRODUCER_PROPERTIES
             .iter()
             .map(|(k, v)| format!("  {k}: '{v}'\n"))
@@ -444,6 +445,12 @@ mod tests {
                 let handler = Handler { seed: 1, slow_ms };
                 let yaml = stage_yaml("127.0.0.1:1", &topics, &handler, rebalance).unwrap();
                 assert_eq!(yaml.contains("slowMs"), slow_ms > 0);
+                // The session timeout the schedule's rebalance windows are drawn around.
+                let config = StageConfig::from_yaml(&yaml).unwrap();
+                assert_eq!(
+                    config.kafka.get("session.timeout.ms").map(String::as_str),
+                    Some("6000")
+                );
             }
         }
     }

@@ -336,11 +336,12 @@ impl fmt::Display for Schedule {
 }
 
 /// How long after a change of membership its rebalance may still hold a JoinGroup or a
-/// SyncGroup at the mock: the mock waits `session.timeout.ms` − 1 s for members (6 s in the
-/// run's config), and a killed worker's session times out 6 s after the kill.
+/// SyncGroup at the mock: the mock waits `session.timeout.ms` − 1 s for members, and a killed
+/// worker's session times out [`SESSION_TIMEOUT`] after the kill.
 const REBALANCE_AFTER: Duration = Duration::from_secs(12);
-/// `session.timeout.ms` of the run's workers: a killed worker's session ends this long after.
-const SESSION_TIMEOUT: Duration = Duration::from_secs(6);
+/// `session.timeout.ms` of the run's workers (their config takes it from here): a killed
+/// worker's session ends this long after.
+pub const SESSION_TIMEOUT: Duration = Duration::from_secs(6);
 
 impl Fault {
     /// From when until when a fault starting at `at` may have a rebalance under way, for the
