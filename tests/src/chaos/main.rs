@@ -447,10 +447,8 @@ mod tests {
                 assert_eq!(yaml.contains("slowMs"), slow_ms > 0);
                 // The session timeout the schedule's rebalance windows are drawn around.
                 let config = StageConfig::from_yaml(&yaml).unwrap();
-                assert_eq!(
-                    config.kafka.get("session.timeout.ms").map(String::as_str),
-                    Some("6000")
-                );
+                let millis = schedule::SESSION_TIMEOUT.as_millis().to_string();
+                assert_eq!(config.kafka.get("session.timeout.ms"), Some(&millis));
             }
         }
     }
