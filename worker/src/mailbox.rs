@@ -46,7 +46,11 @@ pub fn mailbox<T, K>() -> (Sender<T, K>, Receiver<T, K>) {
         Sender {
             shared: shared.clone(),
         },
-        Receiver { shared },
+        Receiver {
+            shared,
+            taken: VecDeque::new(),
+            finished: 0,
+        },
     )
 }
 
@@ -86,7 +90,7 @@ impl<T, K> Sender<T, K> {
     /// Queues `item` behind the earlier ones; hands it back if the receiver is gone (hibernated or
     /// ended).
     pub fn send(&self, item: T) -> Result<(), T> {
-        {
+        let first = {
             let mut state = self.shared.state();
             if !state.receiver {
                 return Err(item);
@@ -95,8 +99,13 @@ impl<T, K> Sender<T, K> {
             self.shared.unfinished.fetch_add(1, Ordering::AcqRel);
             state.queue.push_back(item);
             state.hibernate = false;
+            // Behind records still queued: the send that queued the first of them wakes the
+            // receiver (after this one's record is in), or it has not looked since.
+            state.queue.len() == 1
+        };
+        if first {
+            self.shared.task.wake();
         }
-        self.shared.task.wake();
         Ok(())
     }
 
@@ -131,8 +140,16 @@ impl<T, K> Drop for Sender<T, K> {
 }
 
 /// The session task's end.
+///
+/// It takes what is queued all at once, into a queue of its own, so a burst of records costs
+/// one look under the lock, not one per record; and it tells the sender about the records it
+/// finished at that look too, not with an atomic operation each.
 pub struct Receiver<T, K> {
     shared: Arc<Shared<T, K>>,
+    /// Taken from the shared queue, not yet handed out.
+    taken: VecDeque<T>,
+    /// Finished since the sender's count was last told.
+    finished: usize,
 }
 
 impl<T, K> Receiver<T, K> {
@@ -154,21 +171,31 @@ impl<T, K> Receiver<T, K> {
         .await
     }
 
+    /// The next record if one is queued, without waiting.
+    pub fn try_next(&mut self) -> Option<T> {
+        self.try_recv().flatten()
+    }
+
     /// `Some(Some(item))` when one is queued, `Some(None)` when none will come, `None` to wait.
     fn try_recv(&mut self) -> Option<Option<T>> {
-        let mut state = self.shared.state();
-        match state.queue.pop_front() {
-            Some(item) => {
-                // A burst leaves the deque's slots behind; an idle session keeps a few. (Not
-                // after every short run of records: growing again would cost more than the
-                // slots.)
-                if state.queue.is_empty() && state.queue.capacity() > BURST_SLOTS {
-                    state.queue.shrink_to(IDLE_SLOTS);
-                }
-                Some(Some(item))
-            }
-            None if !state.sender || state.hibernate => Some(None),
-            None => None,
+        if let Some(item) = self.taken.pop_front() {
+            return Some(Some(item));
+        }
+        // A burst leaves the deque's slots behind; an idle session keeps a few. (Not after
+        // every short run of records: growing again would cost more than the slots.)
+        if self.taken.capacity() > BURST_SLOTS {
+            self.taken.shrink_to(IDLE_SLOTS);
+        }
+        let mut state = tell_finished(&self.shared, &mut self.finished);
+        if !state.queue.is_empty() {
+            // The sender goes on with the (empty) deque this end had.
+            std::mem::swap(&mut state.queue, &mut self.taken);
+            return Some(self.taken.pop_front());
+        }
+        if !state.sender || state.hibernate {
+            Some(None)
+        } else {
+            None
         }
     }
 
@@ -177,8 +204,8 @@ impl<T, K> Receiver<T, K> {
     /// sender is gone; otherwise `kept` comes back (a record came meanwhile: take it). A detached
     /// receiver takes nothing more: later sends come back to the sender.
     pub fn hibernate(&mut self, kept: K) -> Result<(), K> {
-        let mut state = self.shared.state();
-        if state.sender && (!state.hibernate || !state.queue.is_empty()) {
+        let mut state = tell_finished(&self.shared, &mut self.finished);
+        if state.sender && (!state.hibernate || !state.queue.is_empty() || !self.taken.is_empty()) {
             return Err(kept);
         }
         state.receiver = false;
@@ -186,9 +213,10 @@ impl<T, K> Receiver<T, K> {
         Ok(())
     }
 
-    /// One record taken earlier is finished: the sender may count the session idle.
-    pub fn finished(&self) {
-        self.shared.unfinished.fetch_sub(1, Ordering::AcqRel);
+    /// One record taken earlier is finished: the sender may count the session idle once this
+    /// end next looks at the queue (it does before it waits, and before it hibernates).
+    pub fn finished(&mut self) {
+        self.finished += 1;
     }
 }
 
@@ -197,12 +225,26 @@ impl<T, K> Drop for Receiver<T, K> {
         // Nothing will take what is still queued: drop it now (outside the lock), not when the
         // sender goes too.
         let left = {
-            let mut state = self.shared.state();
+            let mut state = tell_finished(&self.shared, &mut self.finished);
             state.receiver = false;
             std::mem::take(&mut state.queue)
         };
         drop(left);
     }
+}
+
+/// Locks the queue, and tells the sender's count (under the lock) about the records the
+/// receiver finished since it last did.
+fn tell_finished<'a, T, K>(
+    shared: &'a Shared<T, K>,
+    finished: &mut usize,
+) -> MutexGuard<'a, State<T, K>> {
+    let state = shared.state();
+    let n = std::mem::take(finished);
+    if n > 0 {
+        shared.unfinished.fetch_sub(n, Ordering::AcqRel);
+    }
+    state
 }
 
 /// Slots an emptied queue keeps (a pointer each, for boxed records)…
@@ -266,28 +308,60 @@ mod tests {
         );
     }
 
-    #[tokio::test]
-    async fn a_record_counts_as_unfinished_until_the_receiver_says_so() {
+    #[test]
+    fn a_record_counts_as_unfinished_until_the_receiver_says_so_and_looks_again() {
         let (tx, mut rx) = mailbox::<_, ()>();
         tx.send(1).unwrap();
         tx.send(2).unwrap();
         assert_eq!(tx.unfinished(), 2);
-        rx.recv().await.unwrap();
+        assert_eq!(rx.try_next(), Some(1));
         assert_eq!(tx.unfinished(), 2, "taken is not finished");
         rx.finished();
-        assert_eq!(tx.unfinished(), 1);
+        assert_eq!(rx.try_next(), Some(2), "taken with the first: no look");
+        assert_eq!(tx.unfinished(), 2, "finished, but not told yet");
+        tx.send(3).unwrap();
+        assert_eq!(rx.try_next(), Some(3), "a look at the queue");
+        assert_eq!(
+            tx.unfinished(),
+            2,
+            "told of the first; the second and third are taken"
+        );
+        rx.finished();
+        rx.finished();
+        assert_eq!(rx.try_next(), None);
+        assert_eq!(tx.unfinished(), 0, "told before it would wait");
     }
 
-    #[tokio::test]
-    async fn an_emptied_queue_gives_its_burst_back() {
+    #[test]
+    fn a_burst_is_taken_at_one_look() {
         let (tx, mut rx) = mailbox::<_, ()>();
-        for i in 0..1_000 {
+        for i in 0..10 {
             tx.send(i).unwrap();
         }
-        while !rx.shared.state().queue.is_empty() {
-            rx.recv().await.unwrap();
+        assert_eq!(rx.try_next(), Some(0));
+        assert!(rx.shared.state().queue.is_empty(), "all of it taken");
+        tx.send(10).unwrap();
+        let rest: Vec<_> = std::iter::from_fn(|| rx.try_next()).collect();
+        assert_eq!(rest, (1..11).collect::<Vec<_>>(), "taken first, then sent");
+    }
+
+    #[test]
+    fn emptied_queues_give_their_burst_back() {
+        let (tx, mut rx) = mailbox::<_, ()>();
+        for burst in 0..2 {
+            for i in 0..1_000 {
+                tx.send(burst * 1_000 + i).unwrap();
+            }
+            for i in 0..1_000 {
+                assert_eq!(rx.try_next(), Some(burst * 1_000 + i));
+            }
         }
-        assert!(rx.shared.state().queue.capacity() <= IDLE_SLOTS);
+        assert_eq!(rx.try_next(), None);
+        assert!(
+            rx.shared.state().queue.capacity() <= IDLE_SLOTS,
+            "the sender's"
+        );
+        assert!(rx.taken.capacity() <= IDLE_SLOTS, "the receiver's");
     }
 
     #[tokio::test]

@@ -74,7 +74,13 @@ pub mod header {
 /// for the permits already out. So once it has finished waiting, the old owner writes nothing
 /// more for the partition: no result of a handler that outlived the drain lands after the new
 /// owner's results.
+///
+/// Every record holds the lease (an `Arc`), so its reference count changes twice per record,
+/// on the consumer's thread and on a runtime worker. The lease is aligned to two cache lines so
+/// that what the session tasks read per record (`epoch`, `state`) is not on the line those
+/// counts are on.
 #[derive(Debug)]
+#[repr(align(128))]
 pub struct Lease {
     pub partition: Partition,
     /// Increases with every assignment of any partition in this process.
@@ -433,6 +439,15 @@ fn parse_seq(value: &[u8]) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lease_is_not_on_the_line_of_its_reference_counts() {
+        let lease = Arc::new(Lease::new(0, 1));
+        // `Arc` keeps its two counts in the 16 bytes before the value.
+        let at = Arc::as_ptr(&lease) as usize;
+        assert_eq!(at % 128, 0, "the lease starts a line pair of its own");
+        assert!(std::mem::size_of::<Lease>() <= 128);
+    }
     use rdkafka::message::{Header, OwnedMessage, Timestamp};
 
     fn message(key: Option<&[u8]>, headers: &[(&str, &str)]) -> OwnedMessage {

@@ -24,6 +24,7 @@
 
 use std::collections::VecDeque;
 use std::future::Future;
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -268,21 +269,12 @@ impl<H: Handler> SessionTask<H> {
             // records are still processed first), or asks the task to hibernate when it is idle.
             'task: loop {
                 while let Some(record) = self.rx.recv().await {
-                    if self.ctx.abort.is_cancelled() {
+                    // Boxed: the future of a record (handler call, retries, produce) is large
+                    // and needed only while the session works; an idle session keeps only its
+                    // queue. One box serves the records queued behind this one too.
+                    if Box::pin(self.work(record)).await.is_break() {
                         break 'task;
                     }
-                    if record.lease.is_draining() || self.ctx.release_queued.is_cancelled() {
-                        self.ctx.producer.release(&record);
-                    } else if self.memory.recent.replays(&record) {
-                        self.ctx.metrics.replay_skipped.inc();
-                        self.ctx.producer.complete(&record);
-                    } else {
-                        // Boxed: the record's future (handler call, retries, produce) is large
-                        // and needed only while the session works; an idle session keeps only
-                        // its queue.
-                        Box::pin(self.process(record)).await;
-                    }
-                    self.rx.finished();
                 }
                 match self.rx.hibernate(std::mem::take(&mut self.memory)) {
                     Ok(()) => break,
@@ -292,6 +284,28 @@ impl<H: Handler> SessionTask<H> {
             }
             self.ctx.metrics.active_sessions.dec();
         }
+    }
+
+    /// Takes `first`, then each record already queued behind it, until none is left (without
+    /// waiting for more); `Break` when shutdown aborted the work.
+    async fn work(&mut self, first: Box<InputRecord>) -> ControlFlow<()> {
+        let mut next = Some(first);
+        while let Some(record) = next {
+            if self.ctx.abort.is_cancelled() {
+                return ControlFlow::Break(());
+            }
+            if record.lease.is_draining() || self.ctx.release_queued.is_cancelled() {
+                self.ctx.producer.release(&record);
+            } else if self.memory.recent.replays(&record) {
+                self.ctx.metrics.replay_skipped.inc();
+                self.ctx.producer.complete(&record);
+            } else {
+                self.process(record).await;
+            }
+            self.rx.finished();
+            next = self.rx.try_next();
+        }
+        ControlFlow::Continue(())
     }
 
     /// Runs one record until it is settled (output or DLQ acknowledged), or releases it

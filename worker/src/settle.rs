@@ -74,6 +74,14 @@ pub struct Settler<'a> {
 }
 
 impl Settler<'_> {
+    /// Whether settling `outcome` writes a record (an output, a dead letter).
+    fn writes(&self, outcome: &Outcome) -> bool {
+        match outcome {
+            Outcome::Output(payload) => payload.is_some() && self.producer.has_output(),
+            Outcome::DeadLetter { .. } => true,
+        }
+    }
+
     /// Writes `outcome` for `record` and waits until it is acknowledged (then completes the
     /// record) or can no longer be written by this worker (then releases it). `watch`, when
     /// given, keeps timing the record: a write that keeps failing is reported as stuck.
@@ -95,13 +103,24 @@ impl Settler<'_> {
             // The membership fence first: while the coordinator is silent, wait (a revoked
             // partition or the shutdown's abort ends the wait: released).
             let passed = self.producer.gate().is_open() || self.wait_at_gate(record).await;
+            if !self.writes(&outcome) {
+                // Nothing to fence: a look at the lease decides, without a permit (taking and
+                // dropping one is four atomic writes to lines that every session of the
+                // partition shares).
+                if !passed || record.lease.is_revoked() {
+                    self.producer.release(record);
+                    return Settled::Released;
+                }
+                self.producer.complete(record);
+                return Settled::Done;
+            }
             let Some(permit) = record.lease.begin_write().filter(|_| passed) else {
                 self.producer.release(record);
                 return Settled::Released;
             };
             let written = match &outcome {
+                // Not reached: settled above, without a permit.
                 Outcome::Output(None) => Ok(()),
-                Outcome::Output(Some(_)) if !self.producer.has_output() => Ok(()),
                 Outcome::Output(Some(payload)) => {
                     match self.producer.write_output(record, payload, &permit).await {
                         Ok(()) => Ok(()),
@@ -236,5 +255,81 @@ impl Drop for BlockedWrite<'_> {
             self.health.write_blocked(false);
             self.metrics.blocked_writes.dec();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::completion::{Completion, CompletionReceiver};
+    use crate::config::SessionSource;
+    use crate::producer::{producer_config, ProducerEvents};
+    use crate::record::{Lease, Parts};
+
+    /// A stage without an output topic, whose producer never connects.
+    fn terminal_stage() -> (StageProducer, CompletionReceiver, Metrics, Arc<Health>) {
+        let metrics = Metrics::new("test");
+        let health = Arc::new(Health::default());
+        let (completions, done) = crate::completion::channel();
+        let producer = StageProducer::new(
+            &producer_config("127.0.0.1:1", &[]),
+            ProducerEvents {
+                health: health.clone(),
+                metrics: metrics.clone(),
+                fatal: Default::default(),
+            },
+            None,
+            "dlq".into(),
+            "test".into(),
+            completions,
+            metrics.clone(),
+        )
+        .unwrap();
+        (producer, done, metrics, health)
+    }
+
+    #[tokio::test]
+    async fn an_outcome_that_writes_nothing_is_settled_by_a_look_at_the_lease() {
+        let (producer, done, metrics, health) = terminal_stage();
+        let abort = Signal::default();
+        let settler = Settler {
+            producer: &producer,
+            metrics: &metrics,
+            health: &health,
+            abort: &abort,
+        };
+        let lease = Arc::new(Lease::new(2, 7));
+        let parts = Parts {
+            key: Some(b"s"),
+            ..Default::default()
+        };
+        let record = InputRecord::new("t".into(), 2, 5, parts, &SessionSource::Key, lease.clone());
+        let nothing = Outcome::Output(None);
+        // An output where the stage has no output topic is dropped: nothing written either.
+        let dropped = Outcome::Output(Some(b"result".to_vec()));
+        for outcome in [&nothing, &dropped] {
+            let settled = settler
+                .settle(&record, outcome.clone(), None, Instant::now())
+                .await;
+            assert_eq!(settled, Settled::Done, "{outcome:?} under a live lease");
+            assert_eq!(done.try_recv(), Ok(Completion::done(&record)));
+        }
+        // Draining: the record's handler may still finish, and its result is still taken.
+        lease.drain();
+        let settled = settler
+            .settle(&record, nothing.clone(), None, Instant::now())
+            .await;
+        assert_eq!(settled, Settled::Done, "draining, not revoked");
+        assert_eq!(done.try_recv(), Ok(Completion::done(&record)));
+        // Revoked: the next owner has the partition; released, as a write would be.
+        lease.revoke();
+        for outcome in [nothing, dropped] {
+            let settled = settler.settle(&record, outcome, None, Instant::now()).await;
+            assert_eq!(settled, Settled::Released);
+            assert_eq!(done.try_recv(), Ok(Completion::released(&record)));
+        }
+        assert_eq!(lease.writes_in_flight(), 0);
     }
 }
