@@ -880,7 +880,9 @@ impl IntakeLoop {
         // Each record handed over at once: a rebalance served next in this queue must find
         // every record taken either with a dispatcher or parked, none in the outbox.
         self.serve_main_queue(|message| {
-            self.intake(message);
+            // Locked per record here: the rebalance callback, which locks the book too, runs
+            // between two of them.
+            self.intake(&mut self.ctx().book(), message);
             self.hand_over();
             took = true;
         });
@@ -911,10 +913,17 @@ impl IntakeLoop {
                     _ => continue,
                 }
             };
+            // The book is locked once for the burst, at its first record: a partition's queue
+            // holds records only, so nothing between them calls back into the loop.
+            let mut book = None;
             let taken = queues.take(p, room.min(BURST), |message| match message {
-                Ok(message) => self.intake(message),
+                Ok(message) => {
+                    let book = book.get_or_insert_with(|| self.ctx().book());
+                    self.intake(book, message)
+                }
                 Err(e) => tracing::warn!(error = %e, partition = p, "consume error"),
             });
+            drop(book);
             took |= taken > 0;
         }
         self.hand_over();
@@ -955,12 +964,10 @@ impl IntakeLoop {
 
     /// Takes one record in: track it, then route it, park it, or dead-letter it; hold its
     /// partition if that is now due.
-    fn intake(&self, message: &impl Message) {
+    fn intake(&self, book: &mut Book, message: &impl Message) {
         let ctx = self.consumer.context();
         let partition = message.partition();
         let offset = message.offset();
-        let mut book = ctx.book();
-        let book = &mut *book;
         let Some(state) = book.partitions.get_mut(&partition) else {
             return; // a late record of a partition no longer assigned here
         };
