@@ -187,7 +187,6 @@ mod tests {
     use super::*;
     use crate::health::Health;
     use crate::metrics::Metrics;
-    use crate::producer::{producer_config, ProducerEvents, StageProducer};
     use crate::record::Lease;
     use crate::retry::RetryPolicy;
     use crate::signal::Signal;
@@ -224,22 +223,8 @@ mod tests {
     ) {
         let metrics = Metrics::new("test");
         let health = Arc::new(Health::default());
-        let (completions, done) = crate::completion::channel();
         // Never connects: a terminal stage without records to dead-letter produces nothing.
-        let producer = StageProducer::new(
-            &producer_config("127.0.0.1:1", &[]),
-            ProducerEvents {
-                health: health.clone(),
-                metrics: metrics.clone(),
-                fatal: Default::default(),
-            },
-            None,
-            "dlq".into(),
-            "test".into(),
-            completions,
-            metrics.clone(),
-        )
-        .unwrap();
+        let (producer, done) = crate::producer::terminal_stage(&metrics, &health);
         let ctx = SessionContext {
             handler: Arc::new(handler),
             producer,

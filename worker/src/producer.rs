@@ -314,3 +314,29 @@ async fn acknowledged(ack: DeliveryFuture) -> Result<(), WriteError> {
         Err(_) => Err(WriteError::Dropped),
     }
 }
+
+/// A producer for unit tests: a terminal stage (no output topic) whose broker never answers,
+/// so nothing is written unless a test dead-letters a record.
+#[cfg(test)]
+pub(crate) fn terminal_stage(
+    metrics: &Metrics,
+    health: &Arc<Health>,
+) -> (StageProducer, crate::completion::CompletionReceiver) {
+    let (completions, done) = crate::completion::channel();
+    let events = ProducerEvents {
+        health: health.clone(),
+        metrics: metrics.clone(),
+        fatal: Default::default(),
+    };
+    let producer = StageProducer::new(
+        &producer_config("127.0.0.1:1", &[]),
+        events,
+        None,
+        "dlq".into(),
+        "test".into(),
+        completions,
+        metrics.clone(),
+    )
+    .expect("a producer needs no broker to be made");
+    (producer, done)
+}

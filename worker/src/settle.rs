@@ -265,28 +265,13 @@ mod tests {
     use super::*;
     use crate::completion::{Completion, CompletionReceiver};
     use crate::config::SessionSource;
-    use crate::producer::{producer_config, ProducerEvents};
     use crate::record::{Lease, Parts};
 
     /// A stage without an output topic, whose producer never connects.
     fn terminal_stage() -> (StageProducer, CompletionReceiver, Metrics, Arc<Health>) {
         let metrics = Metrics::new("test");
         let health = Arc::new(Health::default());
-        let (completions, done) = crate::completion::channel();
-        let producer = StageProducer::new(
-            &producer_config("127.0.0.1:1", &[]),
-            ProducerEvents {
-                health: health.clone(),
-                metrics: metrics.clone(),
-                fatal: Default::default(),
-            },
-            None,
-            "dlq".into(),
-            "test".into(),
-            completions,
-            metrics.clone(),
-        )
-        .unwrap();
+        let (producer, done) = crate::producer::terminal_stage(&metrics, &health);
         (producer, done, metrics, health)
     }
 
