@@ -8,7 +8,9 @@
 //! commits are synchronous, whose result is the broker's answer (an error if any partition
 //! failed) — and they run here, on a thread of their own, so the consumer loop never waits for
 //! a round trip, nor for a coordinator that is away. One commit is outstanding at a time; its
-//! answer comes back over a channel the loop drains every turn.
+//! answer comes back over a channel the loop drains every turn, and rings the loop's doorbell,
+//! so that a loop waiting with a partition held at its in-flight cap (which only a confirmed
+//! commit lets take records again) looks at once instead of at its next tick.
 //!
 //! The thread is also the worker's ear on the coordinator (see `membership`): an answer that
 //! shows the coordinator knows this member is recorded on the fence's clock, and when the
@@ -25,6 +27,7 @@ use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
 use rdkafka::TopicPartitionList;
 
 use crate::membership::Fence;
+use crate::partition_queues::Doorbell;
 
 /// How often an idle commit thread looks whether the coordinator needs asking.
 const PROBE_CHECK: Duration = Duration::from_millis(200);
@@ -49,11 +52,14 @@ pub struct Committer {
 }
 
 impl Committer {
-    /// The thread commits for `consumer`, whose input is `topic`, and keeps `fence`'s clock.
+    /// The thread commits for `consumer`, whose input is `topic`, keeps `fence`'s clock, and
+    /// rings `answered` with each answer: a loop waiting with a partition held at its
+    /// in-flight cap looks at once, not at its next tick.
     pub fn spawn<C: ConsumerContext + 'static>(
         consumer: Arc<BaseConsumer<C>>,
         topic: &str,
         fence: Arc<Fence>,
+        answered: Arc<Doorbell>,
     ) -> std::io::Result<Self> {
         let (requests, incoming) = mpsc::channel::<TopicPartitionList>();
         let (reply, answers) = mpsc::channel();
@@ -84,6 +90,7 @@ impl Committer {
                 if reply.send(Answer { offsets, result }).is_err() {
                     return;
                 }
+                answered.ring();
             })?;
         Ok(Self {
             requests: Some(requests),
@@ -210,5 +217,46 @@ mod tests {
             assert!(!answered_as_member(&refused(silent)), "{silent:?}");
         }
         assert!(!answered_as_member(&Err(KafkaError::Canceled)));
+    }
+
+    /// A loop that waits with a partition held at its in-flight cap is woken by the answer
+    /// that may release it, not by its next tick.
+    #[test]
+    fn an_answered_commit_rings_the_loops_doorbell() {
+        use rdkafka::mocking::MockCluster;
+        use rdkafka::{ClientConfig, Offset};
+
+        let cluster = MockCluster::new(1).expect("mock cluster");
+        cluster.create_topic("in", 1, 1).expect("topic");
+        let consumer: Arc<BaseConsumer> = Arc::new(
+            ClientConfig::new()
+                .set("bootstrap.servers", cluster.bootstrap_servers())
+                .set("group.id", "committer-doorbell-test")
+                .create()
+                .expect("consumer"),
+        );
+        let fence = Arc::new(Fence::new(
+            Duration::from_secs(45),
+            Arc::default(),
+            Instant::now(),
+        ));
+        let bell = Arc::new(Doorbell::default());
+        let mut committer = Committer::spawn(consumer, "in", fence, bell.clone()).expect("thread");
+        assert!(!bell.wait(Duration::ZERO), "nothing answered yet");
+        let mut offsets = TopicPartitionList::new();
+        offsets
+            .add_partition_offset("in", 0, Offset::Offset(7))
+            .expect("offset");
+        committer.send(offsets).expect("nothing outstanding");
+        assert!(
+            bell.wait(Duration::from_secs(60)),
+            "the answer did not ring"
+        );
+        let answer = committer
+            .answer()
+            .expect("the ring comes after the answer is sent");
+        assert!(answer.result.is_ok(), "{:?}", answer.result);
+        assert!(!committer.busy());
+        committer.finish();
     }
 }

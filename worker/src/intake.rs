@@ -55,13 +55,14 @@ use crate::membership::{Fence, Verdict};
 use crate::metrics::Metrics;
 use crate::offset_map::{self, DoneAbove};
 use crate::offsets::{OffsetTracker, Partition};
-use crate::partition_queues::{self, PartitionQueues};
+use crate::partition_queues::{self, Doorbell, PartitionQueues};
 use crate::prefetch::Prefetch;
 use crate::producer::StageProducer;
 use crate::record::{InputRecord, Lease};
 use crate::routing::SessionRouter;
 use crate::settle::{Outcome, Settler};
 use crate::signal::Signal;
+use crate::topic_name::TopicName;
 
 /// How long an idle loop waits for records before it serves events and chores again.
 const POLL_TIMEOUT: Duration = Duration::from_millis(20);
@@ -162,7 +163,7 @@ struct PartitionState {
 
 /// Everything the loop and the rebalance callback share.
 struct Book {
-    topic: Arc<str>,
+    topic: TopicName,
     /// The assignment, shared with the lag reporter.
     assigned: Assigned,
     tracker: OffsetTracker,
@@ -175,8 +176,9 @@ struct Book {
 }
 
 impl Book {
-    /// Applies one completion (or release) to the tracker.
-    fn apply(&mut self, c: Completion, metrics: &Metrics) {
+    /// Applies one completion (or release) to the tracker; [`Book::apply_ready`] sets the
+    /// in-flight gauge after.
+    fn apply(&mut self, c: Completion) {
         let Some(state) = self.partitions.get_mut(&c.partition) else {
             return; // from a partition we no longer own
         };
@@ -189,14 +191,16 @@ impl Book {
                 tracing::error!(error = %e, partition = c.partition, "offset bookkeeping");
             }
         }
-        metrics.in_flight.set(self.tracker.in_flight() as i64);
     }
 
-    /// Applies every completion already waiting.
+    /// Applies every completion already waiting (and any applied since the last call), then
+    /// sets the in-flight gauge once: summing it over the partitions per completion cost more
+    /// than applying one.
     fn apply_ready(&mut self, metrics: &Metrics) {
         while let Ok(c) = self.completions.try_recv() {
-            self.apply(c, metrics);
+            self.apply(c);
         }
+        metrics.in_flight.set(self.tracker.in_flight() as i64);
     }
 
     fn unreleased(&self, partitions: &[Partition]) -> usize {
@@ -634,7 +638,7 @@ fn wait_until<'a>(
             return book;
         }
         if let Ok(c) = book.completions.recv_timeout(DRAIN_CHECK) {
-            book.apply(c, &ctx.metrics);
+            book.apply(c);
         }
     }
 }
@@ -697,6 +701,9 @@ pub struct IntakeLoop {
     runtime: tokio::runtime::Handle,
     tokens: IntakeTokens,
     committer: RefCell<Committer>,
+    /// What the loop waits on when it took nothing: rung by the partition queues and by the
+    /// commit thread's answers.
+    doorbell: Arc<Doorbell>,
 }
 
 /// How the consumer loop is told to stop, and tells the sessions to.
@@ -764,9 +771,14 @@ impl IntakeLoop {
         let consumer: Arc<BaseConsumer<IntakeContext>> =
             Arc::new(config.create_with_context(context)?);
         let router = SessionRouter::new(dispatchers.len());
-        let committer =
-            Committer::spawn(consumer.clone(), &consumer.context().settings.input, fence)
-                .map_err(|e| KafkaError::ClientCreation(format!("commit thread: {e}")))?;
+        let doorbell = Arc::new(Doorbell::default());
+        let committer = Committer::spawn(
+            consumer.clone(),
+            &consumer.context().settings.input,
+            fence,
+            doorbell.clone(),
+        )
+        .map_err(|e| KafkaError::ClientCreation(format!("commit thread: {e}")))?;
         Ok(Self {
             committer: RefCell::new(committer),
             consumer,
@@ -776,6 +788,7 @@ impl IntakeLoop {
             producer,
             runtime,
             tokens,
+            doorbell,
         })
     }
 
@@ -795,7 +808,11 @@ impl IntakeLoop {
             self.close();
             return Err(IntakeError::Subscribe(e));
         }
-        let mut queues = PartitionQueues::new(self.consumer.clone(), &self.ctx().settings.input);
+        let mut queues = PartitionQueues::new(
+            self.consumer.clone(),
+            &self.ctx().settings.input,
+            self.doorbell.clone(),
+        );
         let mut seen_assignment = 0;
         let mut last_commit = Instant::now();
         let mut last_health = Instant::now();
@@ -988,7 +1005,7 @@ impl IntakeLoop {
         // then move a pointer, not the record.
         let record = Box::new(InputRecord::from_message(
             message,
-            book.topic.clone(),
+            book.topic,
             &ctx.settings.session,
             state.lease.clone(),
         ));
@@ -1251,7 +1268,7 @@ impl IntakeLoop {
                     return false;
                 }
                 if let Ok(c) = book.completions.recv_timeout(DRAIN_CHECK) {
-                    book.apply(c, &ctx.metrics);
+                    book.apply(c);
                 }
             }
             self.serve_events_only();

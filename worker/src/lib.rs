@@ -43,6 +43,7 @@ pub mod settle;
 pub mod signal;
 pub mod stuck;
 pub mod telemetry;
+pub mod topic_name;
 pub mod topics;
 pub mod verify;
 pub mod watchdog;

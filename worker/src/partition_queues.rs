@@ -32,7 +32,9 @@ use rdkafka::message::BorrowedMessage;
 use crate::fetched::{self, FetchedMessage};
 use crate::offsets::Partition;
 
-/// Rung (from librdkafka's threads) when a partition queue gets records while empty.
+/// What the consumer loop waits on when it took nothing: rung (from librdkafka's threads) when a
+/// partition queue gets records while empty, and by the commit thread when a commit is
+/// answered, since a partition held at its in-flight cap may take records again only then.
 #[derive(Debug, Default)]
 pub struct Doorbell {
     rung: Mutex<bool>,
@@ -171,13 +173,14 @@ impl Drop for QueueHandle {
 }
 
 impl<C: ConsumerContext + 'static> PartitionQueues<C> {
-    pub fn new(consumer: Arc<BaseConsumer<C>>, topic: &str) -> Self {
+    /// The queues ring `doorbell` when they get records.
+    pub fn new(consumer: Arc<BaseConsumer<C>>, topic: &str, doorbell: Arc<Doorbell>) -> Self {
         Self {
             consumer,
             topic: topic.to_owned(),
             topic_c: CString::new(topic).unwrap_or_default(),
             queues: BTreeMap::new(),
-            doorbell: Arc::default(),
+            doorbell,
         }
     }
 
@@ -242,7 +245,8 @@ impl<C: ConsumerContext + 'static> PartitionQueues<C> {
         unsafe { fetched::take(handle.0, max, each) }
     }
 
-    /// Waits until a partition queue gets records, or `timeout`.
+    /// Waits until the doorbell rings (a partition queue got records, a commit was answered), or
+    /// `timeout`.
     pub fn wait(&self, timeout: Duration) {
         self.doorbell.wait(timeout);
     }

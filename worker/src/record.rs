@@ -16,6 +16,7 @@ use smallvec::SmallVec;
 
 use crate::config::SessionSource;
 use crate::offsets::{Offset, Partition};
+use crate::topic_name::TopicName;
 
 /// Header names on the wire.
 pub mod header {
@@ -178,7 +179,7 @@ struct Piece {
 /// outlives the record (a session's id in the dispatcher's map) is copied out of it.
 #[derive(Debug, Clone)]
 pub struct InputRecord {
-    pub topic: Arc<str>,
+    pub topic: TopicName,
     pub partition: Partition,
     pub offset: Offset,
     /// The `sessionflow-seq` header, when present and numeric (read once, at intake: the
@@ -207,7 +208,7 @@ impl InputRecord {
     /// Copies a Kafka message into an owned record.
     pub fn from_message<M: Message>(
         message: &M,
-        topic: Arc<str>,
+        topic: TopicName,
         source: &SessionSource,
         lease: Arc<Lease>,
     ) -> Self {
@@ -250,7 +251,7 @@ impl InputRecord {
     /// A record of `parts`, its session read as `source` says: what [`Self::from_message`]
     /// makes of a Kafka message with those pieces.
     pub fn new(
-        topic: Arc<str>,
+        topic: TopicName,
         partition: Partition,
         offset: Offset,
         parts: Parts<'_>,
@@ -386,7 +387,7 @@ impl InputRecord {
 
 /// Where a record came from, and under which lease it is held.
 struct Place {
-    topic: Arc<str>,
+    topic: TopicName,
     partition: Partition,
     offset: Offset,
     lease: Arc<Lease>,

@@ -40,7 +40,7 @@ pub fn start(settings: &SystemSettings, core: Arc<Core>) -> anyhow::Result<Runni
         detach_before_assign(&consumer, &settings.topic, p);
     }
     consumer.assign(&settings.assignment()?)?;
-    let mut queues = PartitionQueues::new(consumer.clone(), &settings.topic);
+    let mut queues = PartitionQueues::new(consumer.clone(), &settings.topic, Default::default());
     queues.sync(&(0..settings.partitions).collect::<Vec<_>>());
     let stop = Arc::new(AtomicBool::new(false));
     let stopping = stop.clone();
