@@ -3,7 +3,7 @@
 # under `valgrind --tool=callgrind`, divides the cost of the drain's dump by the records it
 # covers, and writes callgrind_annotate's inclusive and self breakdowns beside it.
 #
-#   bench/callgrind.sh [sessionflow|ceiling] [workload args, e.g. --records 50000]
+#   bench/callgrind.sh [sessionflow|ceiling|sequential] [workload args, e.g. --records 50000]
 #
 # BIN (default target/release/sessionflow-bench) and OUT_DIR (default target/callgrind) can be
 # set. Needs valgrind; build the binary first (cargo build --release -p sessionflow-bench).

@@ -3,9 +3,10 @@
 //! Wall-clock rates on a shared machine move with the other work on it; the number of
 //! instructions a record costs does not. This subcommand runs one fixed, in-process workload —
 //! librdkafka's mock cluster in this process, `--records` records of `--sessions` Zipf
-//! sessions over `--partitions` partitions produced first, then one system (sessionflow, or
-//! the raw consumer for the floor that librdkafka and the mock broker set) draining them with
-//! the bench's no-op handler. Under `valgrind --tool=callgrind` it brackets the drain with
+//! sessions over `--partitions` partitions produced first, then one system (sessionflow, the
+//! raw consumer for the floor that librdkafka and the mock broker set, or the per-partition
+//! sequential consumer that P1 compares sessionflow with) draining them with the bench's no-op
+//! handler. Under `valgrind --tool=callgrind` it brackets the drain with
 //! callgrind's client requests: the counters are zeroed once a tenth of the records is done
 //! (start-up, group join and the first sessions' spawning are behind it) and dumped when the
 //! last one is, so that dump holds exactly the cost of the records in between, on every thread.
@@ -25,7 +26,7 @@ use crate::workload::{Load, Producer};
 
 #[derive(Debug, Args)]
 pub struct WorkloadArgs {
-    /// The system that drains the records: `sessionflow` or `ceiling`.
+    /// The system that drains the records: `sessionflow`, `ceiling` or `sequential`.
     #[arg(long, default_value = "sessionflow")]
     system: SystemKind,
     #[arg(long, default_value_t = 50_000)]
@@ -85,8 +86,11 @@ fn client_request(_request: usize, _arg: usize, default: usize) -> usize {
 /// Runs the workload; prints what `bench/callgrind.sh` reads.
 pub async fn run(args: WorkloadArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
-        matches!(args.system, SystemKind::Sessionflow | SystemKind::Ceiling),
-        "--system: sessionflow or ceiling"
+        matches!(
+            args.system,
+            SystemKind::Sessionflow | SystemKind::Ceiling | SystemKind::Sequential
+        ),
+        "--system: sessionflow, ceiling or sequential"
     );
     let cluster = MockCluster::new(1).map_err(|e| anyhow::anyhow!("mock cluster: {e}"))?;
     let topic = "callgrind-in";
