@@ -55,18 +55,6 @@ impl Deref for TopicName {
     }
 }
 
-impl AsRef<str> for TopicName {
-    fn as_ref(&self) -> &str {
-        self.0
-    }
-}
-
-impl PartialEq<str> for TopicName {
-    fn eq(&self, other: &str) -> bool {
-        self.0 == other
-    }
-}
-
 impl PartialEq<&str> for TopicName {
     fn eq(&self, other: &&str) -> bool {
         self.0 == *other
