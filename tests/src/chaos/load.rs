@@ -5,7 +5,6 @@ use std::time::Duration;
 
 use sessionflow_worker::loadgen::{self, LoadgenOptions, LoadgenReport};
 
-use crate::cluster::PRODUCER_PROPERTIES;
 use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 
@@ -24,9 +23,11 @@ pub enum LoadEnd {
 }
 
 impl Load {
-    /// Starts writing `records` records at `rate` per second over `sessions` sessions.
+    /// Starts writing `records` records at `rate` per second over `sessions` sessions, with
+    /// the cluster's producer properties `kafka`.
     pub fn start(
         brokers: &str,
+        kafka: Vec<(String, String)>,
         topic: &str,
         records: u64,
         sessions: u64,
@@ -37,10 +38,7 @@ impl Load {
         let options = LoadgenOptions {
             seed,
             rate: Some(rate),
-            kafka: PRODUCER_PROPERTIES
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect(),
+            kafka,
             ..LoadgenOptions::new(brokers, topic, records, sessions)
         };
         let task = runtime.spawn(async move { loadgen::run(&options).await });

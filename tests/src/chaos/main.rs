@@ -3,20 +3,24 @@
 //! The fault-injection tests each prove one hole closed under one fault. Real incidents are
 //! several faults at once, in an order nobody wrote a test for: a worker is killed while
 //! commits fail and a broker is down, a rolling restart lands during a coordinator move. This
-//! run draws such a schedule from a seed, plays it against real worker processes and
-//! librdkafka's mock cluster (hosted in this process) while a load generator writes numbered
-//! sessions, heals everything, waits for the group to commit the whole input, and judges the
-//! result with `verify`: nothing lost, nothing out of order, no session ending on an older
-//! record, committed == end. The seed is printed first and reproduces the schedule, the load
+//! run draws such a schedule from a seed, plays it against real worker processes and a
+//! cluster — three nodes of Apache Kafka behind toxiproxy (`CHAOS_CLUSTER=kafka`, the
+//! default) or librdkafka's mock cluster hosted in this process (`CHAOS_CLUSTER=mock`) —
+//! while a load generator writes numbered sessions, heals everything, waits for the group to
+//! commit the whole input, and judges the result with `verify`: nothing lost, nothing out of
+//! order, committed == end, and on the mock no session ending on an older record. The seed is printed first and reproduces the schedule, the load
 //! and the handler's faults, so a failure can be replayed (`CHAOS_SEED=… make chaos`); the
 //! interleaving with real processes and timers is not reproduced exactly.
 
 mod cluster;
 mod input;
+mod kafka_cluster;
 mod load;
+mod mock_cluster;
 mod offsets;
 mod schedule;
 mod settings;
+mod toxiproxy;
 mod verdict;
 mod workers;
 
@@ -93,11 +97,11 @@ impl Clock {
 
 fn run(settings: &Settings) -> anyhow::Result<Verdict> {
     let seed = settings.seed;
-    let schedule = Schedule::draw(seed, settings.seconds);
+    let schedule = Schedule::draw(seed, settings.seconds, settings.cluster);
     println!(
-        "chaos: seed={seed} seconds={} (CHAOS_SEED={seed} CHAOS_SECONDS={} make chaos repeats \
-         this schedule)",
-        settings.seconds, settings.seconds
+        "chaos: seed={seed} seconds={} cluster={} (CHAOS_CLUSTER={} CHAOS_SEED={seed} \
+         CHAOS_SECONDS={} make chaos repeats this schedule)",
+        settings.seconds, settings.cluster, settings.cluster, settings.seconds
     );
     println!("schedule:\n{schedule}");
 
@@ -108,12 +112,19 @@ fn run(settings: &Settings) -> anyhow::Result<Verdict> {
         dlq: format!("chaos-{seed}-dlq"),
         group: format!("chaos-{seed}"),
     };
-    let mut cluster = ChaosCluster::start(&topics, PARTITIONS)?;
+    let started = Instant::now();
+    let mut cluster = ChaosCluster::start(
+        settings.cluster,
+        &topics,
+        PARTITIONS,
+        settings.kafka_port,
+        &settings.dir,
+    )?;
     let brokers = cluster.bootstrap();
     println!(
-        "cluster: librdkafka mock, 3 brokers at {brokers}, {PARTITIONS} input partitions, \
-         replication {}; logs in {}",
-        cluster.replication,
+        "cluster: {} (ready in {:.1}s); logs in {}",
+        cluster.describe(PARTITIONS),
+        started.elapsed().as_secs_f64(),
         settings.dir.display()
     );
     let config = settings.dir.join("worker.yaml");
@@ -121,10 +132,20 @@ fn run(settings: &Settings) -> anyhow::Result<Verdict> {
         seed,
         slow_ms: settings.slow_ms,
     };
-    std::fs::write(
-        &config,
-        stage_yaml(&brokers, &topics, &handler, schedule.rebalance)?,
-    )?;
+    let producer = cluster.producer_properties();
+    let yaml = match stage_yaml(&brokers, &topics, &handler, schedule.rebalance, &producer) {
+        // A worker that does not know KIP-848's protocol yet: the run goes on with the classic
+        // protocol, and says so.
+        Err(e) if schedule.rebalance == "consumer" => {
+            println!(
+                "workers: the worker refuses `rebalance: {{strategy: consumer}}` ({e:#}); \
+                 this run uses cooperative instead"
+            );
+            stage_yaml(&brokers, &topics, &handler, "cooperative", &producer)?
+        }
+        other => other?,
+    };
+    std::fs::write(&config, yaml)?;
     let mut pool = WorkerPool::new(&settings.worker, &config, &settings.dir);
     println!(
         "workers: {} run --config {}",
@@ -139,6 +160,7 @@ fn run(settings: &Settings) -> anyhow::Result<Verdict> {
     let records = (settings.rate * settings.seconds as f64 * LOAD_SHARE) as u64;
     let load = Load::start(
         &brokers,
+        producer.clone(),
         &topics.input,
         records,
         settings.sessions,
@@ -174,6 +196,9 @@ fn run(settings: &Settings) -> anyhow::Result<Verdict> {
             None
         }
     };
+    for healed in pool.thaw_all()? {
+        clock.say(format!("heal: {healed}"));
+    }
     for healed in cluster.heal()? {
         clock.say(format!("heal: {healed}"));
     }
@@ -189,10 +214,11 @@ fn run(settings: &Settings) -> anyhow::Result<Verdict> {
         clock.say(format!("after the workers stopped: {after_stop}"));
     }
     clock.say(format!(
-        "workers: {} started, {} killed, {} sent SIGTERM, {} incidents",
+        "workers: {} started, {} killed, {} sent SIGTERM, {} frozen, {} incidents",
         pool.started,
         pool.killed,
         pool.terminated,
+        pool.frozen,
         pool.incidents.len()
     ));
     for incident in &pool.incidents {
@@ -201,7 +227,7 @@ fn run(settings: &Settings) -> anyhow::Result<Verdict> {
 
     clock.say("verify: reading output, DLQ and input back");
     let report = verify::run(&VerifyOptions {
-        brokers: brokers.clone(),
+        kafka: brokers.as_str().into(),
         topic: topics.output.clone(),
         dlq: Some(topics.dlq.clone()),
         input: Some(topics.input.clone()),
@@ -212,6 +238,7 @@ fn run(settings: &Settings) -> anyhow::Result<Verdict> {
     let input = InputAudit::read(&brokers, &topics.input, acknowledged)?;
     println!("{input}");
     Ok(Verdict {
+        cluster: settings.cluster,
         seed,
         seconds: settings.seconds,
         input,
@@ -283,38 +310,9 @@ fn take(
             said
         }
         Action::Spawn => vec![pool.spawn()?],
-        Action::BrokerDown(b) => {
-            cluster.broker_down(*b)?;
-            vec![]
-        }
-        Action::BrokerUp(b) => {
-            cluster.broker_up(*b)?;
-            vec![]
-        }
-        Action::ProduceErrors { error, count } => {
-            cluster.produce_errors(*error, *count);
-            vec![]
-        }
-        Action::CommitErrors(error) => {
-            cluster.commit_errors(*error);
-            vec![]
-        }
-        Action::EndCommitErrors => {
-            cluster.end_commit_errors();
-            vec![]
-        }
-        Action::CoordinatorMove(b) => {
-            cluster.move_coordinator(&topics.group, *b)?;
-            vec![]
-        }
-        Action::Delay { broker, delay } => {
-            cluster.delay(*broker, *delay)?;
-            vec![]
-        }
-        Action::EndDelay { broker, delay } => {
-            cluster.end_delay(*broker, *delay)?;
-            vec![]
-        }
+        Action::FreezeWorker { pick, token } => vec![pool.freeze(*pick, *token)?],
+        Action::ThawWorker { token } => vec![pool.thaw(*token)?],
+        cluster_fault => cluster.apply(cluster_fault, topics)?,
     })
 }
 
@@ -385,15 +383,25 @@ impl Handler {
 }
 
 /// The workers' stage config: the builtin handler, a drain far shorter than the slow calls,
-/// Kafka-legal fast group timings, the producer settings the mock needs
-/// ([`cluster::PRODUCER_PROPERTIES`]). Validated here so a config the worker refuses fails the
-/// run at once.
+/// Kafka-legal fast group timings (under the classic protocols; with `consumer`, KIP-848, the
+/// broker's `group.consumer.*` settings decide them and the worker refuses them), and the
+/// cluster's `producer` settings (the mock's workaround, [`mock_cluster::PRODUCER_PROPERTIES`];
+/// none on Kafka). Validated here so a config the worker refuses fails the run at once.
 fn stage_yaml(
     brokers: &str,
     topics: &RunTopics,
     handler: &Handler,
     rebalance: &str,
+    producer: &[(String, String)],
 ) -> anyhow::Result<String> {
+    let group_timings = if rebalance == "consumer" {
+        String::new()
+    } else {
+        format!(
+            "  session.timeout.ms: '{}'\n  heartbeat.interval.ms: '500'\n",
+            schedule::SESSION_TIMEOUT.as_millis()
+        )
+    };
     let yaml = format!(
         "brokers: {brokers}
 group: {group}
@@ -408,9 +416,7 @@ rebalance: {{strategy: {rebalance}, drainTimeoutMs: 500}}
 commitIntervalMs: 200
 metricsAddr: null
 kafka:
-  session.timeout.ms: '{session_timeout_ms}'
-  heartbeat.interval.ms: '500'
-  fetch.wait.max.ms: '100'
+{group_timings}  fetch.wait.max.ms: '100'
   linger.ms: '2'
 {producer}",
         group = topics.group,
@@ -418,8 +424,7 @@ kafka:
         output = topics.output,
         dlq = topics.dlq,
         handler = handler.yaml(),
-        session_timeout_ms = schedule::SESSION_TIMEOUT.as_millis(),
-        producer = cluster::PRODUCER_PROPERTIES
+        producer = producer
             .iter()
             .map(|(k, v)| format!("  {k}: '{v}'\n"))
             .collect::<String>(),
@@ -431,6 +436,7 @@ kafka:
 #[cfg(test)]
 mod tests {
     use super::*;
+    use schedule::ClusterKind;
 
     #[test]
     fn the_worker_config_is_one_the_worker_accepts() {
@@ -440,15 +446,35 @@ mod tests {
             dlq: "dlq".into(),
             group: "g".into(),
         };
-        for slow_ms in [0, 3_000] {
-            for rebalance in ["cooperative", "eager"] {
-                let handler = Handler { seed: 1, slow_ms };
-                let yaml = stage_yaml("127.0.0.1:1", &topics, &handler, rebalance).unwrap();
-                assert_eq!(yaml.contains("slowMs"), slow_ms > 0);
-                // The session timeout the schedule's rebalance windows are drawn around.
-                let config = StageConfig::from_yaml(&yaml).unwrap();
-                let millis = schedule::SESSION_TIMEOUT.as_millis().to_string();
-                assert_eq!(config.kafka.get("session.timeout.ms"), Some(&millis));
+        let mock: Vec<(String, String)> = mock_cluster::PRODUCER_PROPERTIES
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        for (cluster, producer) in [(ClusterKind::Mock, mock), (ClusterKind::Kafka, vec![])] {
+            for slow_ms in [0, 3_000] {
+                for rebalance in cluster.protocols() {
+                    let handler = Handler { seed: 1, slow_ms };
+                    let yaml = stage_yaml("127.0.0.1:1", &topics, &handler, rebalance, &producer)
+                        .unwrap_or_else(|e| panic!("{cluster} {rebalance}: {e:#}"));
+                    assert_eq!(yaml.contains("slowMs"), slow_ms > 0);
+                    let config = StageConfig::from_yaml(&yaml).unwrap();
+                    // Only the mock's producers keep one request in flight.
+                    assert_eq!(
+                        config
+                            .kafka
+                            .contains_key("max.in.flight.requests.per.connection"),
+                        cluster == ClusterKind::Mock
+                    );
+                    if *rebalance == "consumer" {
+                        // KIP-848: the broker's group.consumer.* settings (6000/500 ms here).
+                        assert!(!config.kafka.contains_key("session.timeout.ms"));
+                        assert!(!config.kafka.contains_key("heartbeat.interval.ms"));
+                    } else {
+                        // The session timeout the schedule's rebalance windows are drawn around.
+                        let millis = schedule::SESSION_TIMEOUT.as_millis().to_string();
+                        assert_eq!(config.kafka.get("session.timeout.ms"), Some(&millis));
+                    }
+                }
             }
         }
     }

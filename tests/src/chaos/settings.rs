@@ -3,8 +3,14 @@
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::schedule::ClusterKind;
+
 /// Environment variables and their defaults, for `--help`-like messages.
 pub const HELP: &str = "\
+CHAOS_CLUSTER   kafka (3 nodes of Apache Kafka, scripts/kafka.sh, behind toxiproxy) or mock
+                (librdkafka's mock cluster in this process) (default kafka)
+CHAOS_KAFKA_PORT  first port of the Kafka cluster: nodes on P..P+11, toxiproxy's API on P+12
+                (default 19300)
 CHAOS_SEED      seed of the schedule, the load and the handler's faults (default: now, printed)
 CHAOS_SECONDS   length of the fault phase (default 120)
 CHAOS_RATE      records per second the load generator writes (default 150)
@@ -17,6 +23,9 @@ CHAOS_WORKER    the worker binary (default: sessionflow-worker next to this bina
 CHAOS_WORKER_LOG  RUST_LOG of the workers (default info)";
 
 pub struct Settings {
+    pub cluster: ClusterKind,
+    /// First port of the Kafka cluster (`scripts/kafka.sh --port`).
+    pub kafka_port: u16,
     pub seed: u64,
     pub seconds: u64,
     pub rate: f64,
@@ -57,6 +66,14 @@ impl Settings {
             worker.display()
         );
         Ok(Self {
+            cluster: match var("CHAOS_CLUSTER") {
+                Some(c) => c
+                    .trim()
+                    .parse()
+                    .map_err(|e| anyhow::anyhow!("CHAOS_CLUSTER: {e}"))?,
+                None => ClusterKind::Kafka,
+            },
+            kafka_port: parse_or("CHAOS_KAFKA_PORT", 19_300)?,
             seed,
             seconds: parse_or("CHAOS_SECONDS", 120)?,
             rate: parse_or("CHAOS_RATE", 150.0)?,

@@ -4,8 +4,10 @@
 //! dies the way a pod dies (SIGKILL: nothing runs after; SIGTERM: its own graceful stop).
 //! The pool is the run's supervisor: a worker that exits without being told to is reported
 //! and replaced, as Kubernetes would, and one that ignores SIGTERM for too long is killed and
-//! reported.
+//! reported. A worker can also be frozen (SIGSTOP) and thawed (SIGCONT): a zombie member,
+//! as a long GC pause, a starved container or a suspended VM makes one.
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -20,6 +22,8 @@ struct Worker {
     child: Child,
     /// When it was sent SIGTERM.
     terminated_at: Option<Instant>,
+    /// Stopped with SIGSTOP (and not continued yet).
+    frozen: bool,
 }
 
 impl Worker {
@@ -65,11 +69,14 @@ pub struct WorkerPool {
     next_id: u32,
     live: Vec<Worker>,
     stopping: Vec<Worker>,
+    /// The worker each freeze stopped, by the fault's token.
+    freezes: BTreeMap<usize, u32>,
     pub incidents: Vec<Incident>,
     /// Workers started, killed and terminated over the run.
     pub started: u32,
     pub killed: u32,
     pub terminated: u32,
+    pub frozen: u32,
 }
 
 impl WorkerPool {
@@ -82,10 +89,12 @@ impl WorkerPool {
             next_id: 1,
             live: Vec::new(),
             stopping: Vec::new(),
+            freezes: BTreeMap::new(),
             incidents: Vec::new(),
             started: 0,
             killed: 0,
             terminated: 0,
+            frozen: 0,
         }
     }
 
@@ -114,6 +123,7 @@ impl WorkerPool {
             id,
             child,
             terminated_at: None,
+            frozen: false,
         };
         let said = format!("worker {id} started (pid {})", w.pid());
         self.live.push(w);
@@ -143,6 +153,49 @@ impl WorkerPool {
         self.stopping.push(w);
         self.terminated += 1;
         Ok(said)
+    }
+
+    /// SIGSTOP the `pick`-th live worker that is not frozen (modulo how many); `token` names
+    /// the freeze for [`Self::thaw`].
+    pub fn freeze(&mut self, pick: usize, token: usize) -> anyhow::Result<String> {
+        let awake: Vec<usize> = (0..self.live.len())
+            .filter(|i| !self.live[*i].frozen)
+            .collect();
+        if awake.is_empty() {
+            return Ok("no worker to freeze".into());
+        }
+        let w = &mut self.live[awake[pick % awake.len()]];
+        signal("STOP", w.pid())?;
+        w.frozen = true;
+        self.freezes.insert(token, w.id);
+        self.frozen += 1;
+        Ok(format!("worker {} frozen (SIGSTOP, pid {})", w.id, w.pid()))
+    }
+
+    /// SIGCONT the worker the freeze `token` stopped, if it still runs.
+    pub fn thaw(&mut self, token: usize) -> anyhow::Result<String> {
+        let Some(id) = self.freezes.remove(&token) else {
+            return Ok("no frozen worker".into());
+        };
+        match self
+            .live
+            .iter_mut()
+            .chain(self.stopping.iter_mut())
+            .find(|w| w.id == id)
+        {
+            Some(w) => {
+                signal("CONT", w.pid())?;
+                w.frozen = false;
+                Ok(format!("worker {id} thawed (SIGCONT, pid {})", w.pid()))
+            }
+            None => Ok(format!("worker {id} is gone: nothing to thaw")),
+        }
+    }
+
+    /// SIGCONT every frozen worker; returns what it did.
+    pub fn thaw_all(&mut self) -> anyhow::Result<Vec<String>> {
+        let tokens: Vec<usize> = self.freezes.keys().copied().collect();
+        tokens.into_iter().map(|t| self.thaw(t)).collect()
     }
 
     fn take(&mut self, pick: usize) -> Option<Worker> {
@@ -213,7 +266,7 @@ impl WorkerPool {
 
     /// SIGTERM every live worker and wait (bounded) until all have stopped.
     pub fn stop_all(&mut self) -> anyhow::Result<Vec<String>> {
-        let mut said = Vec::new();
+        let mut said = self.thaw_all()?;
         while !self.live.is_empty() {
             said.push(self.terminate(0)?);
         }
@@ -236,10 +289,14 @@ impl Drop for WorkerPool {
 }
 
 fn sigterm(pid: u32) -> anyhow::Result<()> {
+    signal("TERM", pid)
+}
+
+fn signal(name: &str, pid: u32) -> anyhow::Result<()> {
     let status = Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
+        .args([&format!("-{name}"), &pid.to_string()])
         .status()?;
-    anyhow::ensure!(status.success(), "kill -TERM {pid} failed: {status}");
+    anyhow::ensure!(status.success(), "kill -{name} {pid} failed: {status}");
     Ok(())
 }
 
