@@ -127,18 +127,31 @@ callgrind:
 
 .PHONY: chaos
 
-## chaos: the randomized nemesis run: worker processes against librdkafka's mock cluster (in
-## the chaos process) under a schedule of faults drawn from CHAOS_SEED (default: the time,
-## printed), CHAOS_SECONDS long, load from loadgen; ends with verify and committed == end,
-## prints the schedule and a one-line verdict, exits 1 unless OK. Logs under .local/chaos/.
-## A harness that dies (the mock cluster's own assertions abort it) cannot stop its workers:
-## they are killed after it, so none is left fetching from a cluster that is gone. Their
-## command lines name their config by its absolute path, so only this checkout's are killed
-## (`[.]` keeps the pattern from matching the shell that runs pkill).
+## chaos: the randomized nemesis run: worker processes against a cluster (CHAOS_CLUSTER=kafka,
+## the default: 3 nodes of Apache Kafka, scripts/kafka.sh on CHAOS_KAFKA_PORT…+11, each behind a
+## toxiproxy proxy, API on CHAOS_KAFKA_PORT+12 (scripts/toxiproxy.sh install builds it);
+## CHAOS_CLUSTER=mock: librdkafka's mock cluster in the chaos process) under a schedule of
+## faults drawn from CHAOS_SEED (default: the time, printed), CHAOS_SECONDS long, load from
+## loadgen; ends with verify and committed == end, prints the schedule and a one-line verdict,
+## exits 1 unless OK. Logs under .local/chaos/.
+## A harness that dies (the mock cluster's own assertions abort it) cannot stop its workers,
+## its Kafka nodes or its toxiproxy: they are stopped after it, so none is left running. The
+## workers' command lines name their config by its absolute path, so only this checkout's are
+## killed (`[.]` keeps the pattern from matching the shell that runs pkill); the nodes are this
+## port's (kafka.sh stop), toxiproxy the one whose pid the harness wrote.
 CHAOS_SEED ?=
 CHAOS_SECONDS ?= 120
+CHAOS_CLUSTER ?= kafka
+CHAOS_KAFKA_PORT ?= 19300
 chaos:
 	$(CARGO) build -p sessionflow-worker --bin sessionflow-worker -p sessionflow-tests --bin sessionflow-chaos
-	CHAOS_SEED=$(CHAOS_SEED) CHAOS_SECONDS=$(CHAOS_SECONDS) \
+	@if [ "$(CHAOS_CLUSTER)" = kafka ]; then scripts/kafka.sh install && scripts/toxiproxy.sh install; fi
+	CHAOS_SEED=$(CHAOS_SEED) CHAOS_SECONDS=$(CHAOS_SECONDS) CHAOS_CLUSTER=$(CHAOS_CLUSTER) \
+	  CHAOS_KAFKA_PORT=$(CHAOS_KAFKA_PORT) \
 	  $${CARGO_TARGET_DIR:-target}/debug/sessionflow-chaos; status=$$?; \
-	  pkill -KILL -f 'sessionflow-worker run --config $(CURDIR)/[.]local/chaos/' || true; exit $$status
+	  pkill -KILL -f 'sessionflow-worker run --config $(CURDIR)/[.]local/chaos/' || true; \
+	  if [ "$(CHAOS_CLUSTER)" = kafka ]; then \
+	    pidf=.local/chaos/toxiproxy-$(CHAOS_KAFKA_PORT).pid; \
+	    if [ -f $$pidf ]; then kill -KILL "$$(cat $$pidf)" 2>/dev/null || true; rm -f $$pidf; fi; \
+	    scripts/kafka.sh stop --port $(CHAOS_KAFKA_PORT) >/dev/null 2>&1 || true; \
+	  fi; exit $$status
