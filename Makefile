@@ -8,7 +8,7 @@ export BROKER_PORT
 
 ## demo: the four-stage pipeline (ingest → nlu → llm → delivery), one worker process per stage,
 ## faults at every stage, verified at the end. The broker is embedded (librdkafka's mock
-## cluster) unless BROKERS=host:port names a real one (e.g. after `scripts/broker.sh start`).
+## cluster) unless BROKERS=host:port names a real one (e.g. after `make broker`: Apache Kafka).
 DEMO_RECORDS ?= 120000
 DEMO_RATE ?= 2000
 DEMO_SESSIONS ?= 1000
@@ -17,7 +17,8 @@ demo:
 	DEMO_RECORDS=$(DEMO_RECORDS) DEMO_RATE=$(DEMO_RATE) DEMO_SESSIONS=$(DEMO_SESSIONS) \
 	  BROKERS=$(BROKERS) CARGO=$(CARGO) scripts/demo.sh
 
-## test: build, then unit/property tests and end-to-end tests against a real broker and (when
+## test: build, then unit/property tests and end-to-end tests against Apache Kafka (scripts/kafka.sh:
+## one node on BROKER_PORT…+3, started unless one runs there; needs Java 17 and Maven) and (when
 ## installed: scripts/apiserver.sh install) a real Kubernetes API server for the CRD tests
 ## (cargo-nextest when installed: per-test processes and timeouts; cargo test otherwise)
 test: build
@@ -33,11 +34,12 @@ fmt:
 clippy:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
-## broker / broker-stop: keep a broker running between commands
+## broker / broker-stop: keep the test broker (Apache Kafka, one node on BROKER_PORT) running
+## between commands
 broker:
-	scripts/broker.sh start
+	scripts/kafka.sh start --port $(BROKER_PORT)
 broker-stop:
-	scripts/broker.sh stop
+	scripts/kafka.sh stop --port $(BROKER_PORT)
 
 clean:
 	$(CARGO) clean
@@ -84,13 +86,13 @@ define bench_run
 	  SESSIONFLOW_BENCH_GOAL=$@ $(BENCH_BIN) --brokers "$(BROKERS)" $(1); \
 	else \
 	  SESSIONFLOW_BENCH_GOAL=$@ scripts/with-broker.sh $(BENCH_BIN) \
-	    --broker-pid-file .local/broker-$(BROKER_PORT).pid $(1); \
+	    --broker-pid-file .local/kafka-$(BROKER_PORT)/node-0/pid $(1); \
 	fi
 endef
 
 ## bench: sessionflow against a raw-consumer ceiling, a per-partition sequential consumer and a
 ## flat worker pool, scenarios P1–P5, then the growth sweeps ("How cost grows": sessions,
-## partitions, record size, latency against offered load), on one broker (nisshi on
+## partitions, record size, latency against offered load), on one broker (Apache Kafka on
 ## BROKER_PORT, or BROKERS=host:port); writes BENCHMARKS.md and bench/results/ (SVG charts,
 ## results.json); ~10 minutes on 2 cores (the sweeps ~4 of them)
 bench:

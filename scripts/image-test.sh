@@ -27,7 +27,7 @@
 #
 #   IMAGE_TEST_SKIP_BUILD=1   use the images already built
 #   IMAGE_TEST_PORT           first of the ports the test uses on 127.0.0.1 (default
-#                             BROKER_PORT+1: metrics, then +1 HTTP, +2 HTTPS, +3 TLS listener)
+#                             BROKER_PORT+4, past the broker's own four: metrics, then +1 HTTP, +2 HTTPS, +3 TLS listener)
 set -euo pipefail
 self=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
 cd "$(dirname "$0")/.."
@@ -50,7 +50,7 @@ if [[ -z ${IMAGE_TEST_INNER:-} ]]; then
 fi
 
 BROKERS=${SESSIONFLOW_BROKERS:?run under scripts/with-broker.sh}
-base_port=${IMAGE_TEST_PORT:-$((${BROKER_PORT:-9092} + 1))}
+base_port=${IMAGE_TEST_PORT:-$((${BROKER_PORT:-9092} + 4))}
 METRICS_PORT=$base_port
 HTTP_PORT=$((base_port + 1))
 HTTPS_PORT=$((base_port + 2))

@@ -279,8 +279,8 @@ pub struct StageSpec {
     /// Overrides `spec.stuck`: what happens to a record not done in time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stuck: Option<StuckConfig>,
-    /// Group protocol (`cooperative` or `eager`) and drain timeout on revocation. A revocation
-    /// holds the consumer's poll for up to 2 × `drainTimeoutMs` + 5000 ms, which must stay below
+    /// Group protocol (`cooperative`, `eager` or `consumer`, KIP-848) and drain timeout on
+    /// revocation. A revocation holds the consumer's poll for up to 2 × `drainTimeoutMs` + 5000 ms, which must stay below
     /// `max.poll.interval.ms` of `kafka.properties` (librdkafka's default 300000): with the
     /// default, `drainTimeoutMs` can be at most 147499.
     #[serde(default, skip_serializing_if = "Option::is_none")]

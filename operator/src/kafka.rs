@@ -12,7 +12,7 @@
 //! reader refuses to start a second read meanwhile, so an unreachable cluster costs one
 //! blocking thread per stage, not one more every pass.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -24,6 +24,7 @@ use rdkafka::admin::AdminClient;
 use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::BaseConsumer;
+use sessionflow_worker::client_settings::ClientSettings;
 use sessionflow_worker::lag::{self, PartitionLag};
 use sessionflow_worker::topics::{self, TopicRequest};
 
@@ -32,22 +33,11 @@ use crate::render::security_properties;
 
 const TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Everything a client of one pipeline needs: bootstrap servers, properties, secrets.
-#[derive(Clone, PartialEq, Eq, Hash)]
+/// Everything a client of one pipeline needs: bootstrap servers, properties, secrets (the
+/// worker's [`ClientSettings`], which never prints a value).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Connection {
-    properties: BTreeMap<String, String>,
-}
-
-impl std::fmt::Debug for Connection {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // Never print secrets.
-        f.debug_struct("Connection")
-            .field(
-                "bootstrap.servers",
-                &self.properties.get("bootstrap.servers"),
-            )
-            .finish_non_exhaustive()
-    }
+    settings: ClientSettings,
 }
 
 /// A Secret or one of its entries is missing.
@@ -132,7 +122,6 @@ impl Connection {
             .await?
             .into_iter();
         let mut properties = security_properties(kafka);
-        properties.insert("bootstrap.servers".into(), kafka.bootstrap_servers.clone());
         if let Some(sasl) = &kafka.sasl {
             let secret = secrets.next().expect("one Secret per reference");
             properties.insert("sasl.username".into(), entry(&secret, &sasl.username_key)?);
@@ -146,22 +135,23 @@ impl Connection {
                 properties.insert("ssl.key.pem".into(), entry(&secret, key)?);
             }
         }
-        Ok(Self { properties })
+        Ok(Self {
+            settings: ClientSettings::with_properties(kafka.bootstrap_servers.clone(), properties),
+        })
     }
 
     /// A plain connection to `bootstrap` (no credentials), e.g. for tests and local runs.
     pub fn plain(bootstrap: &str) -> Self {
-        Self {
-            properties: BTreeMap::from([("bootstrap.servers".into(), bootstrap.into())]),
-        }
+        Self::with(ClientSettings::new(bootstrap))
+    }
+
+    /// A connection with these settings (e.g. a test's SASL_SSL cluster).
+    pub fn with(settings: ClientSettings) -> Self {
+        Self { settings }
     }
 
     fn config(&self) -> ClientConfig {
-        let mut config = ClientConfig::new();
-        for (k, v) in &self.properties {
-            config.set(k, v);
-        }
-        config
+        self.settings.base()
     }
 
     /// Creates the declared topics that are missing; returns the ones created.

@@ -170,7 +170,8 @@ fn documented_enum(prop: &Value) -> Option<Vec<String>> {
         .map(|v| {
             let value = v["const"].as_str()?;
             Some(match v["description"].as_str() {
-                Some(d) => format!("`{value}`: {d}"),
+                // One table cell: a variant's doc may span lines.
+                Some(d) => format!("`{value}`: {}", d.trim_end_matches('.').replace('\n', " ")),
                 None => format!("`{value}`"),
             })
         })

@@ -14,7 +14,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Offset, TopicPartitionList};
-use sessionflow_worker::config::{BuiltinHandlerConfig, HandlerConfig, RetryConfig};
+use sessionflow_worker::config::{
+    BuiltinHandlerConfig, HandlerConfig, RetryConfig, CLASSIC_ONLY_KAFKA_KEYS,
+};
 use sessionflow_worker::record::header;
 use sessionflow_worker::{Handler, HandlerError, HandlerResult, InputRecord, StageConfig};
 
@@ -149,7 +151,8 @@ pub fn init_telemetry() {
     });
 }
 
-/// librdkafka settings that make tests fast on nisshi and stay Kafka-legal.
+/// librdkafka settings that make tests fast and stay Kafka-legal (classic protocol: a KIP-848
+/// stage drops the session and heartbeat ones, see [`Topics::stage_yaml_on`]).
 pub fn test_kafka_properties() -> Vec<(&'static str, &'static str)> {
     vec![
         ("fetch.wait.max.ms", "100"),
@@ -452,8 +455,21 @@ impl WorkerProcess {
         stderr: std::process::Stdio,
         level: &str,
     ) -> Self {
+        Self::spawn_with_env(yaml, args, stderr, level, &[])
+    }
+
+    /// Like [`spawn_logging_at`](Self::spawn_logging_at), with extra environment variables
+    /// (e.g. the SASL credentials the operator passes from a Secret).
+    pub fn spawn_with_env(
+        yaml: &str,
+        args: &[&str],
+        stderr: std::process::Stdio,
+        level: &str,
+        env: &[(&str, &str)],
+    ) -> Self {
         let config = TempFile::with_text("sessionflow-config", ".yaml", yaml);
         let child = std::process::Command::new(worker_binary())
+            .envs(env.iter().copied())
             .args(args)
             .args(["run", "--config"])
             .arg(&config.0)
@@ -469,6 +485,11 @@ impl WorkerProcess {
             child,
             _config: config,
         }
+    }
+
+    /// True while the process has not exited.
+    pub fn running(&mut self) -> bool {
+        self.child.try_wait().expect("wait").is_none()
     }
 
     /// SIGSTOP: the whole process freezes (heartbeats included), as a stalled node would.
@@ -544,8 +565,12 @@ impl Topics {
 
     /// [`stage_yaml`](Self::stage_yaml) for the cluster at `brokers` (e.g. librdkafka's mock).
     pub fn stage_yaml_on(&self, brokers: &str, builtin: &str, extra: &str) -> String {
+        // KIP-848 stages take their session timeout and heartbeat from the broker (which
+        // scripts/kafka.sh sets to the same 6 s and 500 ms).
+        let kip848 = extra.contains("strategy: consumer");
         let kafka: String = test_kafka_properties()
             .iter()
+            .filter(|(k, _)| !(kip848 && CLASSIC_ONLY_KAFKA_KEYS.contains(k)))
             .map(|(k, v)| format!("  {k}: '{v}'\n"))
             .collect();
         format!(
@@ -700,7 +725,7 @@ pub async fn wait_committed_to_end_on(
 /// instead of `SESSIONFLOW_BROKERS`.
 pub fn verify_on(brokers: &str, topics: &Topics) -> sessionflow_worker::verify::VerifyReport {
     sessionflow_worker::verify::run(&sessionflow_worker::verify::VerifyOptions {
-        brokers: brokers.to_string(),
+        kafka: brokers.into(),
         topic: topics.output.clone(),
         dlq: Some(topics.dlq.clone()),
         input: Some(topics.input.clone()),
@@ -771,4 +796,55 @@ impl MockKafka {
     pub fn verify(&self) -> sessionflow_worker::verify::VerifyReport {
         verify_on(&self.brokers, &self.topics)
     }
+}
+
+/// A cluster of Apache Kafka started for one test by `scripts/kafka.sh` on ports of its own
+/// (e.g. with a SASL_SSL listener, or three nodes), stopped and deleted when dropped.
+pub struct ScriptCluster {
+    port: u16,
+    /// The bootstrap list the script printed.
+    pub bootstrap: String,
+}
+
+impl ScriptCluster {
+    /// `scripts/kafka.sh start --port PORT ARGS…`; panics with the script's output if it fails.
+    pub fn start(port: u16, args: &[&str]) -> Self {
+        let out = std::process::Command::new(kafka_script())
+            .args(["start", "--port", &port.to_string()])
+            .args(args)
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .expect("run scripts/kafka.sh");
+        assert!(out.status.success(), "scripts/kafka.sh start failed");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let bootstrap = stdout
+            .lines()
+            .last()
+            .expect("kafka.sh prints the bootstrap list last")
+            .trim()
+            .to_string();
+        Self { port, bootstrap }
+    }
+
+    /// The folder with the CA, and `client.properties`, of a `--sasl-ssl` cluster.
+    pub fn secure_dir(&self) -> PathBuf {
+        let out = std::process::Command::new(kafka_script())
+            .args(["secure-dir", "--port", &self.port.to_string()])
+            .output()
+            .expect("run scripts/kafka.sh");
+        PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+    }
+}
+
+impl Drop for ScriptCluster {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new(kafka_script())
+            .args(["stop", "--port", &self.port.to_string()])
+            .status();
+    }
+}
+
+/// `scripts/kafka.sh` of this checkout.
+pub fn kafka_script() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/kafka.sh")
 }

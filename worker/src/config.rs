@@ -292,27 +292,56 @@ impl Default for RebalanceConfig {
     }
 }
 
-/// `rebalance.strategy`.
+/// `rebalance.strategy`: the group protocol and, for the classic protocol, its assignor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "kebab-case")]
 pub enum RebalanceStrategy {
-    /// Incremental: only the partitions that move are revoked (cooperative-sticky).
+    /// Classic protocol, incremental: only the partitions that move are revoked
+    /// (cooperative-sticky).
     #[default]
     Cooperative,
-    /// Stop-the-world: every partition is revoked and reassigned (range,roundrobin).
+    /// Classic protocol, stop-the-world: every partition is revoked and reassigned
+    /// (range,roundrobin).
     Eager,
+    /// The consumer group protocol of KIP-848 (`group.protocol=consumer`, Apache Kafka 4.0+):
+    /// the broker assigns, incrementally, and owns the session timeout and heartbeat interval
+    /// (`group.consumer.*` on the broker), so `kafka.session.timeout.ms` and
+    /// `kafka.heartbeat.interval.ms` are refused with it.
+    Consumer,
 }
 
 impl RebalanceStrategy {
-    /// librdkafka's `partition.assignment.strategy`.
-    pub fn assignment_strategy(self) -> &'static str {
+    /// librdkafka's `group.protocol`.
+    pub fn group_protocol(self) -> &'static str {
         match self {
-            Self::Cooperative => "cooperative-sticky",
-            Self::Eager => "range,roundrobin",
+            Self::Cooperative | Self::Eager => "classic",
+            Self::Consumer => "consumer",
+        }
+    }
+
+    /// librdkafka's `partition.assignment.strategy`; `None` under KIP-848, where the broker
+    /// assigns (librdkafka refuses the property with `group.protocol=consumer`).
+    pub fn assignment_strategy(self) -> Option<&'static str> {
+        match self {
+            Self::Cooperative => Some("cooperative-sticky"),
+            Self::Eager => Some("range,roundrobin"),
+            Self::Consumer => None,
         }
     }
 }
+
+/// Classic-protocol properties that KIP-848 moves to the broker: refused with
+/// `rebalance.strategy: consumer` (librdkafka would refuse or ignore them).
+pub const CLASSIC_ONLY_KAFKA_KEYS: &[&str] = &[
+    "session.timeout.ms",
+    "heartbeat.interval.ms",
+    "group.protocol.type",
+];
+
+/// The broker's default `group.consumer.session.timeout.ms` (KIP-848), used when the broker's
+/// own value cannot be read.
+pub const DEFAULT_CONSUMER_SESSION_TIMEOUT_MS: u64 = 45_000;
 
 impl From<RetryConfig> for RetryPolicy {
     fn from(c: RetryConfig) -> Self {
@@ -542,6 +571,15 @@ impl StageConfig {
                     "is managed by sessionflow and cannot be overridden",
                 ));
             }
+            if self.rebalance.strategy == RebalanceStrategy::Consumer
+                && CLASSIC_ONLY_KAFKA_KEYS.contains(&key.as_str())
+            {
+                return Err(ConfigError::new(
+                    format!("kafka.{key}"),
+                    "cannot be set with rebalance.strategy: consumer (KIP-848: the broker's \
+                     group.consumer.* settings decide it)",
+                ));
+            }
         }
         Ok(())
     }
@@ -675,6 +713,12 @@ pub const SASL_PASSWORD_ENV: &str = "SESSIONFLOW_SASL_PASSWORD";
 /// librdkafka properties whose value the engine's guarantees depend on.
 pub const OWNED_KAFKA_KEYS: &[&str] = &[
     "partition.assignment.strategy",
+    // `rebalance.strategy` picks the protocol.
+    "group.protocol",
+    // A new group starts at the earliest offset (a later one would skip what was produced
+    // before the stage first ran), and reads only committed records.
+    "auto.offset.reset",
+    "isolation.level",
     "enable.auto.commit",
     "enable.auto.offset.store",
     "enable.idempotence",
@@ -772,8 +816,44 @@ rebalance: {strategy: eager, drainTimeoutMs: 3000}
         );
         assert_eq!(
             c.rebalance.strategy.assignment_strategy(),
-            "range,roundrobin"
+            Some("range,roundrobin")
         );
+        assert_eq!(c.rebalance.strategy.group_protocol(), "classic");
+    }
+
+    /// The keys the guarantees rest on are refused in the `kafka:` map with the key named; a
+    /// `rebalance.strategy: consumer` (KIP-848) stage also refuses the classic protocol's
+    /// session and heartbeat settings, which the broker owns there.
+    #[test]
+    fn the_engines_own_kafka_keys_are_refused_by_name() {
+        for key in [
+            "auto.offset.reset",
+            "isolation.level",
+            "group.protocol",
+            "partition.assignment.strategy",
+            "enable.auto.commit",
+        ] {
+            assert_eq!(
+                key_of(&format!("{MINIMAL}kafka: {{{key}: 'x'}}\n")),
+                format!("kafka.{key}")
+            );
+        }
+        let consumer = format!("{MINIMAL}rebalance: {{strategy: consumer}}\n");
+        let c = StageConfig::from_yaml(&consumer).unwrap();
+        assert_eq!(c.rebalance.strategy, RebalanceStrategy::Consumer);
+        assert_eq!(c.rebalance.strategy.group_protocol(), "consumer");
+        assert_eq!(c.rebalance.strategy.assignment_strategy(), None);
+        for key in CLASSIC_ONLY_KAFKA_KEYS {
+            let err = StageConfig::from_yaml(&format!("{consumer}kafka: {{{key}: '6000'}}\n"))
+                .unwrap_err();
+            assert_eq!(err.key, format!("kafka.{key}"));
+            assert!(err.message.contains("consumer"), "{err}");
+            // The classic protocol takes them.
+            StageConfig::from_yaml(&format!(
+                "{MINIMAL}kafka: {{{key}: '6000', max.poll.interval.ms: '300000'}}\n"
+            ))
+            .unwrap_or_else(|e| panic!("{key}: {e}"));
+        }
     }
 
     #[test]

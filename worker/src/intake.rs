@@ -44,6 +44,7 @@ use rdkafka::{Message, Offset as KafkaOffset, TopicPartitionList};
 use tokio_util::sync::CancellationToken;
 
 use crate::backpressure::{self, Offer, PendingBuffer};
+use crate::client_settings::ClientSettings;
 use crate::committer::Committer;
 use crate::completion::{Completion, CompletionReceiver};
 use crate::config::{RebalanceStrategy, SessionSource};
@@ -119,10 +120,7 @@ pub fn consumer_config(
     prefetch: Prefetch,
     extra: &[(String, String)],
 ) -> ClientConfig {
-    let mut c = ClientConfig::new();
-    c.set("bootstrap.servers", brokers)
-        // Starting at the end would skip what was produced before the stage first ran.
-        .set("auto.offset.reset", "earliest");
+    let mut c = ClientSettings::new(brokers).base();
     // How much one fetch brings and how soon a full queue is looked at again (the user's
     // `kafka:` may change these).
     for (k, v) in prefetch.fetch_settings(extra) {
@@ -137,12 +135,17 @@ pub fn consumer_config(
         c.set(k, v);
     }
     c.set("group.id", group)
-        .set(
-            "partition.assignment.strategy",
-            strategy.assignment_strategy(),
-        )
+        .set("group.protocol", strategy.group_protocol())
+        // Starting at the end would skip what was produced before the stage first ran.
+        .set("auto.offset.reset", "earliest")
+        // An aborted transaction's records (an exactly-once upstream stage's zombie) are never
+        // input.
+        .set("isolation.level", "read_committed")
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false");
+    if let Some(assignor) = strategy.assignment_strategy() {
+        c.set("partition.assignment.strategy", assignor);
+    }
     c
 }
 

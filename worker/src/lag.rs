@@ -17,6 +17,7 @@ use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Offset, TopicPartitionList};
 
+use crate::client_settings::ClientSettings;
 use crate::offset_map;
 
 /// Lag of one partition.
@@ -65,13 +66,14 @@ fn done_above(committed: i64, high: i64, metadata: &str) -> i64 {
 
 /// Reads the lag of `group` on every partition of `topic`, without joining the group.
 pub fn read(
-    brokers: &str,
+    kafka: impl Into<ClientSettings>,
     group: &str,
     topic: &str,
     timeout: Duration,
 ) -> anyhow::Result<Vec<PartitionLag>> {
-    let consumer: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
+    let consumer: BaseConsumer = kafka
+        .into()
+        .base()
         .set("group.id", group)
         .set("enable.auto.commit", "false")
         .create()?;
@@ -154,12 +156,9 @@ impl LagReporter {
     /// The reporter's client: the consumer's properties, then what makes it a reader that
     /// never joins or commits.
     fn client_config(&self) -> ClientConfig {
-        let mut config = ClientConfig::new();
-        for (k, v) in &self.kafka {
-            config.set(k, v);
-        }
+        let mut config =
+            ClientSettings::with_properties(self.brokers.clone(), self.kafka.clone()).base();
         config
-            .set("bootstrap.servers", &self.brokers)
             .set("group.id", &self.group)
             .set("enable.auto.commit", "false");
         config

@@ -11,6 +11,7 @@
 //! ([`completion`]), and the consumer loop commits the contiguous watermark.
 
 pub mod backpressure;
+pub mod client_settings;
 pub mod committer;
 pub mod completion;
 pub mod config;
@@ -39,6 +40,7 @@ pub mod retry;
 pub mod routing;
 pub mod session;
 pub mod session_id;
+pub mod session_timeout;
 pub mod settle;
 pub mod signal;
 pub mod stuck;

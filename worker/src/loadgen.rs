@@ -12,11 +12,11 @@ use futures::stream::{FuturesUnordered, StreamExt};
 use rand::distr::Distribution;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use rdkafka::config::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
+use crate::client_settings::ClientSettings;
 use crate::record::header;
 
 /// How sessions are picked for each record.
@@ -105,9 +105,9 @@ pub async fn run(opts: &LoadgenOptions) -> anyhow::Result<LoadgenReport> {
             "--zipf must be a positive exponent"
         );
     }
-    let mut config = ClientConfig::new();
+    let mut config =
+        ClientSettings::with_properties(opts.brokers.clone(), opts.kafka.clone()).base();
     config
-        .set("bootstrap.servers", &opts.brokers)
         .set("linger.ms", "10")
         .set("partitioner", "murmur2_random")
         .set("enable.idempotence", "true")

@@ -10,6 +10,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
+use sessionflow_worker::client_settings::ClientSettings;
 use sessionflow_worker::demo::{self, DemoOptions};
 use sessionflow_worker::handler::ConfiguredHandler;
 use sessionflow_worker::lag;
@@ -33,6 +34,33 @@ struct Cli {
     command: Command,
 }
 
+/// How the tools reach the cluster: the bootstrap list and librdkafka properties (TLS, SASL),
+/// the same settings a stage's `kafka:` map gives its clients.
+#[derive(clap::Args, Clone)]
+struct KafkaArgs {
+    #[arg(long, env = "SESSIONFLOW_BROKERS", default_value = "127.0.0.1:9092")]
+    brokers: String,
+    /// librdkafka properties, one `key=value` a line (e.g. security.protocol=SASL_SSL,
+    /// sasl.mechanism, ssl.ca.location); SESSIONFLOW_SASL_USERNAME/PASSWORD fill in the
+    /// credentials it does not name.
+    #[arg(long, value_name = "FILE")]
+    kafka_config: Option<PathBuf>,
+    /// One more librdkafka property, `key=value` (repeatable; after --kafka-config).
+    #[arg(short = 'X', value_name = "KEY=VALUE")]
+    property: Vec<String>,
+}
+
+impl KafkaArgs {
+    fn settings(&self) -> anyhow::Result<ClientSettings> {
+        ClientSettings::for_tool(
+            &self.brokers,
+            self.kafka_config.as_deref(),
+            &self.property,
+            |var| std::env::var(var).ok(),
+        )
+    }
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Run one pipeline stage until SIGTERM/SIGINT.
@@ -46,8 +74,8 @@ enum Command {
     },
     /// Produce N records over S sessions, numbered per session (`sessionflow-seq`).
     Loadgen {
-        #[arg(long, env = "SESSIONFLOW_BROKERS", default_value = "127.0.0.1:9092")]
-        brokers: String,
+        #[command(flatten)]
+        kafka: KafkaArgs,
         #[arg(long)]
         topic: String,
         #[arg(long, default_value_t = 100_000)]
@@ -67,8 +95,8 @@ enum Command {
     },
     /// Read a topic back and check per-session order, gaps, loss and duplicates.
     Verify {
-        #[arg(long, env = "SESSIONFLOW_BROKERS", default_value = "127.0.0.1:9092")]
-        brokers: String,
+        #[command(flatten)]
+        kafka: KafkaArgs,
         /// The topic to check (a stage's output).
         #[arg(long)]
         topic: String,
@@ -86,8 +114,8 @@ enum Command {
     },
     /// Show a consumer group's lag on a topic, read from the broker.
     Lag {
-        #[arg(long, env = "SESSIONFLOW_BROKERS", default_value = "127.0.0.1:9092")]
-        brokers: String,
+        #[command(flatten)]
+        kafka: KafkaArgs,
         #[arg(long)]
         group: String,
         #[arg(long)]
@@ -128,8 +156,8 @@ enum Command {
     /// README, "Dead letters", before replaying: replayed records come after their session's
     /// newer records).
     DlqReplay {
-        #[arg(long, env = "SESSIONFLOW_BROKERS", default_value = "127.0.0.1:9092")]
-        brokers: String,
+        #[command(flatten)]
+        kafka: KafkaArgs,
         /// The DLQ topic.
         #[arg(long)]
         dlq: String,
@@ -151,8 +179,8 @@ enum Command {
     },
     /// Create topics (existing ones are left alone).
     CreateTopics {
-        #[arg(long, env = "SESSIONFLOW_BROKERS", default_value = "127.0.0.1:9092")]
-        brokers: String,
+        #[command(flatten)]
+        kafka: KafkaArgs,
         #[arg(long, default_value_t = 8)]
         partitions: i32,
         #[arg(required = true)]
@@ -189,7 +217,7 @@ async fn dispatch(command: Command, log_format: LogFormat) -> ExitCode {
             report(run_stage(config).await)
         }
         Command::Loadgen {
-            brokers,
+            kafka,
             topic,
             records,
             sessions,
@@ -198,13 +226,22 @@ async fn dispatch(command: Command, log_format: LogFormat) -> ExitCode {
             value_size,
             session_prefix,
         } => {
+            let settings = match kafka.settings() {
+                Ok(s) => s,
+                Err(e) => return usage_error(e),
+            };
+            let properties = settings
+                .properties()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
             let opts = LoadgenOptions {
                 choice: zipf.map_or(SessionChoice::Uniform, SessionChoice::Zipf),
+                kafka: properties,
                 seed,
                 value_size,
                 session_prefix,
                 progress: true,
-                ..LoadgenOptions::new(&brokers, &topic, records, sessions)
+                ..LoadgenOptions::new(settings.brokers(), &topic, records, sessions)
             };
             report(loadgen::run(&opts).await.map(|r| {
                 println!(
@@ -217,15 +254,19 @@ async fn dispatch(command: Command, log_format: LogFormat) -> ExitCode {
             }))
         }
         Command::Verify {
-            brokers,
+            kafka,
             topic,
             dlq,
             input,
             session_header,
             timeout_secs,
         } => {
+            let kafka = match kafka.settings() {
+                Ok(s) => s,
+                Err(e) => return usage_error(e),
+            };
             let opts = VerifyOptions {
-                brokers,
+                kafka,
                 topic,
                 dlq,
                 input,
@@ -246,13 +287,17 @@ async fn dispatch(command: Command, log_format: LogFormat) -> ExitCode {
             }
         }
         Command::Lag {
-            brokers,
+            kafka,
             group,
             topic,
             wait_zero,
             timeout_secs,
         } => {
-            let task = move || show_lag(&brokers, &group, &topic, wait_zero, timeout_secs);
+            let kafka = match kafka.settings() {
+                Ok(s) => s,
+                Err(e) => return usage_error(e),
+            };
+            let task = move || show_lag(&kafka, &group, &topic, wait_zero, timeout_secs);
             match tokio::task::spawn_blocking(task).await {
                 Ok(r) => report(r),
                 Err(e) => report(Err(e.into())),
@@ -290,7 +335,7 @@ async fn dispatch(command: Command, log_format: LogFormat) -> ExitCode {
             }
         }
         Command::DlqReplay {
-            brokers,
+            kafka,
             dlq,
             stage,
             reason,
@@ -303,7 +348,11 @@ async fn dispatch(command: Command, log_format: LogFormat) -> ExitCode {
                 reason,
                 session,
             };
-            match replay::run(&brokers, &dlq, &selection, to.as_deref(), dry_run).await {
+            let kafka = match kafka.settings() {
+                Ok(s) => s,
+                Err(e) => return usage_error(e),
+            };
+            match replay::run(&kafka, &dlq, &selection, to.as_deref(), dry_run).await {
                 Ok(r) => {
                     let verb = if dry_run { "would replay" } else { "replayed" };
                     for (topic, n) in &r.replayed {
@@ -319,18 +368,22 @@ async fn dispatch(command: Command, log_format: LogFormat) -> ExitCode {
             }
         }
         Command::CreateTopics {
-            brokers,
+            kafka,
             partitions,
             topics: names,
         } => {
+            let kafka = match kafka.settings() {
+                Ok(s) => s,
+                Err(e) => return usage_error(e),
+            };
             let names: Vec<&str> = names.iter().map(String::as_str).collect();
-            report(topics::create(&brokers, &names, partitions).await)
+            report(topics::create(&kafka, &names, partitions).await)
         }
     }
 }
 
 fn show_lag(
-    brokers: &str,
+    kafka: &ClientSettings,
     group: &str,
     topic: &str,
     wait_zero: bool,
@@ -339,7 +392,7 @@ fn show_lag(
     let deadline = std::time::Instant::now() + Duration::from_secs(timeout_secs);
     let mut last_print = std::time::Instant::now() - Duration::from_secs(10);
     loop {
-        let lags = lag::read(brokers, group, topic, Duration::from_secs(10))?;
+        let lags = lag::read(kafka, group, topic, Duration::from_secs(10))?;
         let total = lag::total(&lags);
         if !wait_zero {
             println!("partition  low  high  committed  lag");
@@ -412,6 +465,12 @@ async fn wait_for_signal() {
     }
     #[cfg(not(unix))]
     let _ = ctrl_c.await;
+}
+
+/// Bad tool settings (an unreadable --kafka-config, a malformed -X): exit 2, nothing touched.
+fn usage_error(e: anyhow::Error) -> ExitCode {
+    eprintln!("error: {e:#}");
+    ExitCode::from(2)
 }
 
 fn report(result: anyhow::Result<()>) -> ExitCode {

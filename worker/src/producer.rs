@@ -23,6 +23,7 @@ use rdkafka::message::OwnedHeaders;
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer, PurgeConfig};
 use tokio_util::sync::CancellationToken;
 
+use crate::client_settings::ClientSettings;
 use crate::completion::{Completion, CompletionSender};
 use crate::dlq::{dlq_headers, DlqReason};
 use crate::health::Health;
@@ -114,9 +115,8 @@ impl WriteError {
 
 /// The producer settings the guarantees rely on, then the user's extra properties.
 pub fn producer_config(brokers: &str, extra: &[(String, String)]) -> ClientConfig {
-    let mut c = ClientConfig::new();
-    c.set("bootstrap.servers", brokers)
-        .set("linger.ms", "5")
+    let mut c = ClientSettings::new(brokers).base();
+    c.set("linger.ms", "5")
         .set("partitioner", "murmur2_random")
         .set("message.timeout.ms", "300000");
     for (k, v) in extra {

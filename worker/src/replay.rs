@@ -16,10 +16,10 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use rdkafka::config::ClientConfig;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
+use crate::client_settings::ClientSettings;
 use crate::dlq;
 use crate::record::header;
 use crate::verify::{self, SeqRecord};
@@ -112,21 +112,19 @@ pub struct ReplayReport {
 /// Reads `dlq` up to its current end and replays the selected records (nothing is produced
 /// when `dry_run`).
 pub async fn run(
-    brokers: &str,
+    kafka: impl Into<ClientSettings>,
     dlq: &str,
     selection: &Selection,
     to: Option<&str>,
     dry_run: bool,
 ) -> anyhow::Result<ReplayReport> {
-    let (b, d) = (brokers.to_string(), dlq.to_string());
+    let kafka: ClientSettings = kafka.into();
+    let (k, d) = (kafka.clone(), dlq.to_string());
     let dead = tokio::task::spawn_blocking(move || {
-        verify::read_topic(&b, &d, None, Duration::from_secs(120))
+        verify::read_topic(&k, &d, None, Duration::from_secs(120))
     })
     .await??;
-    let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("enable.idempotence", "true")
-        .create()?;
+    let producer: FutureProducer = kafka.base().set("enable.idempotence", "true").create()?;
     let mut report = ReplayReport::default();
     let mut pending = Vec::new();
     for record in &dead {

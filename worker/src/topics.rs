@@ -8,13 +8,12 @@ use std::time::Duration;
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
-use rdkafka::config::ClientConfig;
+
+use crate::client_settings::ClientSettings;
 use rdkafka::types::RDKafkaErrorCode;
 
-fn admin(brokers: &str) -> anyhow::Result<AdminClient<DefaultClientContext>> {
-    Ok(ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .create()?)
+fn admin(kafka: impl Into<ClientSettings>) -> anyhow::Result<AdminClient<DefaultClientContext>> {
+    Ok(kafka.into().base().create()?)
 }
 
 /// A topic to create: name, partitions, replication factor (-1: the broker's default).
@@ -26,7 +25,11 @@ pub struct TopicRequest {
 }
 
 /// Creates each topic with `partitions` partitions unless it already exists.
-pub async fn create(brokers: &str, topics: &[&str], partitions: i32) -> anyhow::Result<()> {
+pub async fn create(
+    kafka: impl Into<ClientSettings>,
+    topics: &[&str],
+    partitions: i32,
+) -> anyhow::Result<()> {
     let requests: Vec<TopicRequest> = topics
         .iter()
         .map(|t| TopicRequest {
@@ -35,7 +38,7 @@ pub async fn create(brokers: &str, topics: &[&str], partitions: i32) -> anyhow::
             replication: 1,
         })
         .collect();
-    create_missing(&admin(brokers)?, &requests).await?;
+    create_missing(&admin(kafka)?, &requests).await?;
     Ok(())
 }
 
@@ -68,8 +71,8 @@ pub async fn create_missing(
 }
 
 /// Deletes the topics; missing ones are ignored.
-pub async fn delete(brokers: &str, topics: &[&str]) -> anyhow::Result<()> {
-    let admin = admin(brokers)?;
+pub async fn delete(kafka: impl Into<ClientSettings>, topics: &[&str]) -> anyhow::Result<()> {
+    let admin = admin(kafka)?;
     let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(20)));
     for result in admin.delete_topics(topics, &opts).await? {
         match result {

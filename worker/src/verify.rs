@@ -13,11 +13,11 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Headers;
 use rdkafka::{Message, Offset, TopicPartitionList};
 
+use crate::client_settings::ClientSettings;
 use crate::record::header;
 
 /// One record as `verify` sees it.
@@ -48,13 +48,14 @@ impl SeqRecord {
 /// Reads every record of `topic` up to the high watermarks seen at the start, in offset order
 /// per partition (partitions in ascending order).
 pub fn read_topic(
-    brokers: &str,
+    kafka: impl Into<ClientSettings>,
     topic: &str,
     session_header: Option<&str>,
     timeout: Duration,
 ) -> anyhow::Result<Vec<SeqRecord>> {
-    let consumer: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
+    let consumer: BaseConsumer = kafka
+        .into()
+        .base()
         .set(
             "group.id",
             format!("sessionflow-verify-{}", std::process::id()),
@@ -358,7 +359,8 @@ impl Checker {
 /// Options of the `verify` command.
 #[derive(Debug, Clone)]
 pub struct VerifyOptions {
-    pub brokers: String,
+    /// The cluster (bootstrap list, TLS and SASL settings).
+    pub kafka: ClientSettings,
     pub topic: String,
     pub dlq: Option<String>,
     pub input: Option<String>,
@@ -370,7 +372,7 @@ pub struct VerifyOptions {
 pub fn run(opts: &VerifyOptions) -> anyhow::Result<VerifyReport> {
     let read = |topic: &str| {
         read_topic(
-            &opts.brokers,
+            &opts.kafka,
             topic,
             opts.session_header.as_deref(),
             opts.timeout,

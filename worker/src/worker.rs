@@ -174,7 +174,15 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         shutdown_fence_timeout: Duration::from_millis(config.shutdown_fence_ms()),
         shutdown_drain_queued: config.shutdown_drain_queued,
         prefetch: Prefetch::new(config.prefetch_kbytes, config.prefetch_records, counted),
-        session_timeout: Duration::from_millis(config.session_timeout_ms()),
+        session_timeout: crate::session_timeout::effective(
+            &config,
+            &crate::client_settings::ClientSettings::with_properties(
+                config.brokers.clone(),
+                extra.iter().cloned(),
+            )
+            .base(),
+        )
+        .await,
     };
     let assigned = Assigned::default();
     let lag_thread = LagReporter {

@@ -81,6 +81,11 @@ async fn handler_calls_longer_than_the_drain_write_nothing_after_handover_cooper
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_calls_longer_than_the_drain_write_nothing_after_handover_consumer_protocol() {
+    joins_and_leaves_with_calls_longer_than_the_drain("consumer").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_frozen_past_its_session_timeout_drops_its_lost_partitions() {
     let topics = Topics::create("lost", 4).await;
     let yaml = topics.stage_yaml(

@@ -1,7 +1,7 @@
 //! Rebalance safety with several worker processes in one group: scale 1 → 3 → 1 while 100k
 //! records over 1,000 sessions flow. Revoked partitions are drained and committed before they
 //! move, so nothing is lost, no session is reordered, and replays stay within the in-flight
-//! window. Run for both group protocols.
+//! window. Run for the three group protocols: classic eager and cooperative, and KIP-848.
 
 use std::time::Duration;
 
@@ -64,4 +64,9 @@ async fn scale_out_and_in_cooperative() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scale_out_and_in_eager() {
     scale_one_three_one("eager").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scale_out_and_in_consumer_protocol() {
+    scale_one_three_one("consumer").await;
 }
