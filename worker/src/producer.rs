@@ -111,6 +111,17 @@ impl WriteError {
             ))
         )
     }
+
+    /// Timed out in librdkafka (`message.timeout.ms`) with its request perhaps already at the
+    /// broker: the record may have been stored although it is reported as not delivered.
+    pub fn may_have_landed(&self) -> bool {
+        matches!(
+            self,
+            Self::NotAcknowledged(KafkaError::MessageProduction(
+                RDKafkaErrorCode::MessageTimedOut
+            ))
+        )
+    }
 }
 
 /// The producer settings the guarantees rely on, then the user's extra properties.
@@ -339,4 +350,25 @@ pub(crate) fn terminal_stage(
     )
     .expect("a producer needs no broker to be made");
     (producer, done)
+}
+
+#[cfg(test)]
+mod write_error_tests {
+    use super::*;
+
+    #[test]
+    fn only_a_timed_out_write_may_have_landed() {
+        let failed = |code| WriteError::NotAcknowledged(KafkaError::MessageProduction(code));
+        assert!(failed(RDKafkaErrorCode::MessageTimedOut).may_have_landed());
+        assert!(!failed(RDKafkaErrorCode::MessageSizeTooLarge).may_have_landed());
+        assert!(!failed(RDKafkaErrorCode::PurgeQueue).may_have_landed());
+        assert!(failed(RDKafkaErrorCode::PurgeQueue).is_purged());
+        let refused = WriteError::Refused(KafkaError::MessageProduction(
+            RDKafkaErrorCode::MessageTimedOut,
+        ));
+        assert!(
+            !refused.may_have_landed(),
+            "refused before sending: never stored"
+        );
+    }
 }

@@ -135,12 +135,20 @@ impl Settler<'_> {
                             // After librdkafka's retries: this output will not land. Nothing
                             // of the session's next record exists yet, so the DLQ comes first.
                             self.metrics.produce_errors.inc();
-                            tracing::warn!(error = %e, partition = record.partition,
+                            // A timed-out write may still have been stored: the dead letter
+                            // then stands beside an output (at-least-once, README "No loss").
+                            // The DLQ record says so, for whoever replays it.
+                            let error = if e.may_have_landed() {
+                                format!("{e} (timed out: the output may also have been written)")
+                            } else {
+                                e.to_string()
+                            };
+                            tracing::warn!(error = %error, partition = record.partition,
                                 offset = record.offset, session = %record.session_str(),
                                 "output not written; sending the record to the DLQ");
                             outcome = Outcome::DeadLetter {
                                 reason: DlqReason::ProduceFailed,
-                                error: e.to_string(),
+                                error,
                                 attempts: 1,
                             };
                             continue;

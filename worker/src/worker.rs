@@ -91,6 +91,15 @@ pub async fn run<H: Handler>(
 /// Starts a stage in the background.
 pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Result<RunningWorker> {
     config.validate()?;
+    if let crate::config::SessionSource::Header { name } = &config.session {
+        // Order is kept per partition's owner: a session whose records carry the header but
+        // whose keys differ lands on several partitions, so on several workers at once.
+        tracing::warn!(header = %name,
+            "session ids come from a header: a session is ordered only within one partition; \
+             if its records are keyed differently (and so spread over partitions), two workers \
+             may run it at once. Key the records by session, or make sure one session's \
+             records share a partition");
+    }
     let metrics = Metrics::new(&config.stage);
     let health = Arc::new(Health::default());
     let tokens = IntakeTokens::default();
