@@ -210,8 +210,17 @@ impl KafkaChaos {
             &[("i", &node)],
             &self.nodes.dir,
         )?;
-        let pid = self.pid(broker)?.unwrap_or_default();
-        said.push(format!("broker {broker} started again (pid {pid})"));
+        // kafka.sh returns once the pid file is not empty, which the old pid already made it.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut pid = self.pid(broker)?;
+        while pid.is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+            pid = self.pid(broker)?;
+        }
+        said.push(match pid {
+            Some(pid) => format!("broker {broker} started again (pid {pid})"),
+            None => format!("broker {broker} started again (no pid yet)"),
+        });
         Ok(said)
     }
 
@@ -436,11 +445,21 @@ impl KafkaChaos {
             .state_dir()
             .join(format!("node-{}", broker - 1))
             .join("pid");
-        let Ok(text) = std::fs::read_to_string(&file) else {
-            return Ok(None);
-        };
-        let pid: u32 = text.trim().parse()?;
-        Ok(alive(pid).then_some(pid))
+        // kafka.sh truncates and rewrites the file when it starts a node: an empty file is a
+        // node being started, read again shortly.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let Ok(text) = std::fs::read_to_string(&file) else {
+                return Ok(None);
+            };
+            match text.trim().parse::<u32>() {
+                Ok(pid) => return Ok(alive(pid).then_some(pid)),
+                Err(_) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(50))
+                }
+                Err(e) => anyhow::bail!("{}: {text:?}: {e}", file.display()),
+            }
+        }
     }
 }
 
