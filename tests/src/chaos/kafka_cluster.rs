@@ -194,6 +194,12 @@ impl KafkaChaos {
                 ));
             }
         }
+        // A node that exited but was not reaped yet (a zombie: its parent, `kafka.sh start`,
+        // is gone, and this container's init may reap late) still answers `kill -0`, which is
+        // how kafka.sh decides that a node runs: its pid file goes, since the JVM is gone.
+        if self.pid(broker)?.is_none() {
+            let _ = std::fs::remove_file(self.pid_file(broker));
+        }
         let node = (broker - 1).to_string();
         // `i` in the environment: kafka.sh's `launch_node` expands `$i` in the same `local`
         // that sets it, so outside `start` (whose loop variable it then is) `restart-node`
@@ -434,17 +440,21 @@ impl KafkaChaos {
         Ok(parts.into_iter().map(|(_, l)| l).collect())
     }
 
+    /// `scripts/kafka.sh`'s pid file of a node.
+    fn pid_file(&self, broker: i32) -> PathBuf {
+        self.nodes
+            .state_dir()
+            .join(format!("node-{}", broker - 1))
+            .join("pid")
+    }
+
     fn node(&mut self, broker: i32) -> &mut Node {
         self.state.entry(broker).or_default()
     }
 
     /// The pid of a node's JVM while it runs (frozen or not).
     fn pid(&self, broker: i32) -> anyhow::Result<Option<u32>> {
-        let file = self
-            .nodes
-            .state_dir()
-            .join(format!("node-{}", broker - 1))
-            .join("pid");
+        let file = self.pid_file(broker);
         // kafka.sh truncates and rewrites the file when it starts a node: an empty file is a
         // node being started, read again shortly.
         let deadline = Instant::now() + Duration::from_secs(5);
