@@ -31,7 +31,7 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -79,6 +79,8 @@ const DRAIN_CHECK: Duration = Duration::from_millis(50);
 const PURGE_ANSWERS: Duration = Duration::from_secs(2);
 /// How long a refused final commit is tried again (a rebalance under way at shutdown).
 const FINAL_COMMIT_RETRIES: Duration = Duration::from_secs(5);
+/// `close_commit_failures` before any revocation of the close has committed.
+const CLOSE_COMMIT_NOT_RUN: usize = usize::MAX;
 /// Commit intervals a commit may go unanswered before its partitions count as failing.
 const COMMIT_STALL_TURNS: u32 = 3;
 /// How often the loop reads how many records wait in the partition queues (a gauge).
@@ -239,7 +241,10 @@ impl Book {
                 offsets.tick();
             }
             let candidate = if force {
-                offsets.watermark()
+                // Everything not already confirmed as it is.
+                (!offsets.is_settled())
+                    .then(|| offsets.watermark())
+                    .flatten()
             } else {
                 offsets.commit_candidate()
             };
@@ -362,6 +367,18 @@ impl Book {
         self.assignment_version += 1;
     }
 
+    /// How many of `partitions` have progress the broker has not confirmed as it is.
+    fn unsettled(&self, partitions: &[Partition]) -> usize {
+        partitions
+            .iter()
+            .filter(|p| {
+                self.tracker
+                    .partition(**p)
+                    .is_some_and(|o| o.watermark().is_some() && !o.is_settled())
+            })
+            .count()
+    }
+
     /// Results of `leases` still on their way to the broker.
     fn writes_in_flight(leases: &[Arc<Lease>]) -> u64 {
         leases.iter().map(|l| l.writes_in_flight()).sum()
@@ -374,8 +391,12 @@ pub struct IntakeContext {
     settings: IntakeSettings,
     metrics: Metrics,
     health: Arc<Health>,
-    /// Set once shutdown has drained and committed: later revocations (from close) just drop.
+    /// Set once shutdown has drained and made its final commit: later revocations (from
+    /// close) commit what is not confirmed yet, and say how that went here.
     closing: AtomicBool,
+    /// Partitions whose commit a revocation while closing could not get confirmed
+    /// ([`CLOSE_COMMIT_NOT_RUN`] until one has run).
+    close_commit_failures: AtomicUsize,
     /// Cancelled on a fatal client error: the worker stops and exits non-zero.
     fatal: CancellationToken,
     /// The membership fence, and the producer it purges when it closes.
@@ -537,7 +558,26 @@ impl IntakeContext {
                 unfinished = book.unreleased(&partitions),
                 "partitions lost (session timeout or fenced): dropped without drain or commit"
             );
-        } else if !self.closing.load(Ordering::Acquire) {
+        } else if self.closing.load(Ordering::Acquire) {
+            // The revocation of the stop itself (or one during it): every session has ended
+            // and the write fence has run, so what is done is done. A final commit refused
+            // while a rebalance was under way is accepted here, inside the rebalance.
+            let tpl = book.commit_list(Some(&partitions), true);
+            if tpl.count() > 0 {
+                let result = consumer.commit(&tpl, CommitMode::Sync);
+                book.commit_answered(&result, &tpl, &self.metrics);
+            }
+            // Counted from the book, not from the answer: a partition with progress that is
+            // not confirmed as it is counts however it got so.
+            let failed = book.unsettled(&partitions);
+            let before = self.close_commit_failures.load(Ordering::Acquire);
+            let total = if before == CLOSE_COMMIT_NOT_RUN {
+                failed
+            } else {
+                before + failed
+            };
+            self.close_commit_failures.store(total, Ordering::Release);
+        } else {
             let drain_for = self.settings.revoke_drain_timeout;
             book = drain(book, &partitions, Instant::now() + drain_for, self);
             // Handlers still running past the deadline write nothing from now on; results
@@ -767,6 +807,7 @@ impl IntakeLoop {
             metrics,
             health,
             closing: AtomicBool::new(false),
+            close_commit_failures: AtomicUsize::new(CLOSE_COMMIT_NOT_RUN),
             fatal: tokens.fatal.clone(),
             fence: fence.clone(),
             producer: producer.clone(),
@@ -1205,13 +1246,27 @@ impl IntakeLoop {
             ctx.book()
                 .commit_answered(&a.result, &a.offsets, &ctx.metrics);
         }
-        let result = match self.final_commit() {
+        let failed = self.final_commit(deadline + ctx.settings.shutdown_fence_timeout);
+        let metrics = ctx.metrics.clone();
+        let fatal = self.tokens.fatal.clone();
+        let failed = match self.close() {
+            // The close's revocation committed what the final commit could not.
+            Some(0) if failed > 0 => {
+                tracing::info!(
+                    failed,
+                    "the final commit was refused, the close's revocation committed it"
+                );
+                0
+            }
+            _ => failed,
+        };
+        let result = match failed {
             0 => {
                 tracing::info!("final watermarks committed");
                 Ok(())
             }
             failed => {
-                ctx.metrics.final_commit_failures.inc();
+                metrics.final_commit_failures.inc();
                 tracing::error!(
                     failed,
                     "final commit failed; progress since the last \
@@ -1222,17 +1277,22 @@ impl IntakeLoop {
                 )))
             }
         };
-        let result = self.fatal_or(result);
-        self.close();
-        result
+        if fatal.is_cancelled() {
+            Err(IntakeError::Fatal)
+        } else {
+            result
+        }
     }
 
     /// The final commit. A rebalance may be under way as the worker stops (other members
     /// joining or leaving at once), and the broker then refuses commits of the old generation:
-    /// serve the consumer (the revocation commits what it takes away) and try again, a few
-    /// times, before calling it a failure. Returns how many partitions failed the last try.
-    fn final_commit(&self) -> usize {
-        let until = Instant::now() + FINAL_COMMIT_RETRIES;
+    /// serve the consumer (the revocation commits what it takes away) and try again until
+    /// `until` (the stop's own deadline, at least [`FINAL_COMMIT_RETRIES`] from now) before
+    /// calling it a failure; partitions already confirmed as they are are not sent again.
+    /// Returns how many partitions failed the last try; the close's revocation gets one more
+    /// chance (see [`IntakeLoop::close`]).
+    fn final_commit(&self, until: Instant) -> usize {
+        let until = until.max(Instant::now() + FINAL_COMMIT_RETRIES);
         loop {
             let failed = self.commit_now();
             if failed == 0 || Instant::now() >= until {
@@ -1329,7 +1389,9 @@ impl IntakeLoop {
         self.serve_main_queue(|_| {});
     }
 
-    fn close(self) {
+    /// Leaves the group. The revocation this triggers commits what is not confirmed yet;
+    /// returns how many partitions it failed to commit, `None` if no revocation ran.
+    fn close(self) -> Option<usize> {
         // Its thread holds the consumer too: end it before the consumer is closed.
         self.committer.borrow_mut().finish();
         self.ctx().closing.store(true, Ordering::Release);
@@ -1339,7 +1401,9 @@ impl IntakeLoop {
         while Instant::now() < until && self.consumer.assignment().is_ok_and(|a| a.count() > 0) {
             self.consumer.poll(Duration::from_millis(50));
         }
+        let failures = self.ctx().close_commit_failures.load(Ordering::Acquire);
         drop(self.consumer);
+        (failures != CLOSE_COMMIT_NOT_RUN).then_some(failures)
     }
 }
 

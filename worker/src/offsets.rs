@@ -194,6 +194,15 @@ impl PartitionOffsets {
         self.dirty = false;
     }
 
+    /// Nothing to commit: the broker confirmed the current watermark, its map has not
+    /// changed since, and no other commit is on its way. A final commit skips such partitions,
+    /// so a stop during a rebalance has fewer commits to get accepted.
+    pub fn is_settled(&self) -> bool {
+        self.watermark().is_some_and(|w| self.confirmed == Some(w))
+            && !self.dirty
+            && self.sent.is_none()
+    }
+
     /// The broker confirmed a commit of `offset`.
     pub fn commit_confirmed(&mut self, offset: Offset) {
         self.confirmed = Some(self.confirmed.map_or(offset, |c| c.max(offset)));
@@ -370,6 +379,32 @@ pub enum OffsetError {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn a_confirmed_unchanged_watermark_is_settled_until_anything_moves() {
+        let mut p = PartitionOffsets::default();
+        assert!(!p.is_settled(), "nothing begun");
+        for o in 10..=12 {
+            p.begin(o).unwrap();
+        }
+        p.complete(10).unwrap();
+        assert!(!p.is_settled(), "never committed");
+        p.mark_sent(11);
+        assert!(!p.is_settled(), "on its way");
+        p.commit_confirmed(11);
+        assert!(p.is_settled());
+        // Completing above the watermark changes the map: no longer settled.
+        p.complete(12).unwrap();
+        assert!(!p.is_settled(), "the map changed");
+        p.mark_sent(11);
+        p.commit_failed(11);
+        assert!(!p.is_settled(), "the map's commit failed");
+        p.mark_sent(11);
+        p.commit_confirmed(11);
+        assert!(p.is_settled());
+        p.complete(11).unwrap();
+        assert!(!p.is_settled(), "the watermark moved");
+    }
 
     #[test]
     fn watermark_stops_at_the_first_unfinished_offset() {

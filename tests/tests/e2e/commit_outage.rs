@@ -165,6 +165,56 @@ async fn a_final_commit_that_fails_for_good_exits_non_zero_and_loses_nothing() {
     restart_and_verify(&brokers, &topics, &yaml, "final commit refused").await;
 }
 
+/// A stop during a rebalance (issue 33): the broker refuses the final commit as
+/// `RebalanceInProgress` for longer than the five seconds the final commit used to retry (2 of
+/// ~19 SIGTERMs exited 1 this way). The worker keeps trying until its stop's own deadline, does
+/// not send partitions already confirmed, and commits in the close's revocation: exit 0, and
+/// the restart replays nothing the stop had finished.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_final_commit_refused_during_a_rebalance_is_retried_until_the_stops_deadline() {
+    let (cluster, brokers, topics, yaml) = stop_test("final-rebalancing", 8).await;
+    let log = std::env::temp_dir().join(sessionflow_tests::unique("rebalancing-worker") + ".log");
+    let first = WorkerProcess::spawn_logging_at(
+        &yaml,
+        &[],
+        std::fs::File::create(&log).expect("log file").into(),
+        "info",
+    );
+    wait_for_progress(&brokers, &topics).await;
+    // About 25 tries fit in five seconds (a try every ~200 ms); these last three times as long.
+    cluster.request_errors(
+        RDKafkaApiKey::OffsetCommit,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_REBALANCE_IN_PROGRESS; 80],
+    );
+    let status = first.terminate();
+    let said = std::fs::read_to_string(&log).unwrap_or_default();
+    let _ = std::fs::remove_file(&log);
+    cluster.clear_request_errors(RDKafkaApiKey::OffsetCommit);
+    assert!(
+        status.success(),
+        "a stop whose final commit was refused for a while exits 0 once it lands, got {status}:\n{}",
+        said.lines().filter(|l| l.contains("commit")).collect::<Vec<_>>().join("\n")
+    );
+    assert!(
+        said.contains("final commit refused; serving the group and trying again"),
+        "the final commit was never refused: the test did not test it"
+    );
+    // The stop committed everything it finished: the restart redoes nothing.
+    let second = WorkerProcess::spawn(&yaml);
+    wait_committed_to_end_on(&brokers, &topics, Duration::from_secs(180))
+        .await
+        .unwrap_or_else(|(committed, end)| panic!("committed {committed:?} never reached {end:?}"));
+    assert!(second.terminate().success());
+    let report = verify_on(&brokers, &topics);
+    eprintln!("final commit refused during a rebalance, restart:\n{report}");
+    assert!(report.is_ok(), "{report}");
+    assert_eq!(report.records - report.duplicates, STOP_RECORDS, "{report}");
+    assert_eq!(
+        report.duplicates, 0,
+        "the restart redid what the stop had committed: {report}"
+    );
+}
+
 /// A stop while the group has gone on without this member (issue 10, item 9): every commit
 /// is refused as `IllegalGeneration` — the member's generation is gone, librdkafka reports
 /// its assignment lost, and the worker drops it without a drain or a commit bound to fail.
