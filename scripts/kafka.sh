@@ -167,7 +167,8 @@ EOF
 }
 
 write_config() {
-  local i=$1 dir="$STATE/node-$i" voters=() j isr
+  local i=$1
+  local dir="$STATE/node-$i" voters=() j isr
   for ((j = 0; j < NODES; j++)); do voters+=("$((j + 1))@127.0.0.1:$(controller_port "$j")"); done
   isr=$((NODES > 1 ? NODES - 1 : 1))
   mkdir -p "$dir"
@@ -221,14 +222,19 @@ write_config() {
 }
 
 node_pid_file() { echo "$STATE/node-$1/pid"; }
+# node_alive I: node I's JVM runs (an exited one not yet reaped, a zombie, does not count).
 node_alive() {
-  local f
+  local f pid
   f=$(node_pid_file "$1")
-  [[ -f $f ]] && kill -0 "$(cat "$f")" 2>/dev/null
+  [[ -s $f ]] || return 1
+  pid=$(cat "$f")
+  kill -0 "$pid" 2>/dev/null || return 1
+  [[ $(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null) != Z ]]
 }
 
 launch_node() {
-  local i=$1 dir="$STATE/node-$i"
+  local i=$1
+  local dir="$STATE/node-$i"
   jvm_args
   # In a session of its own (a test runner's signal to its process group does not reach the
   # broker); the pid written is the JVM's, whether or not setsid forked.

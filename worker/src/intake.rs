@@ -552,6 +552,16 @@ impl IntakeContext {
         }
         if consumer.assignment_lost() {
             leases.iter().for_each(|l| l.revoke());
+            // Another member may own them already: what the producer still holds of theirs
+            // must not land after its writes. The purge takes back every queued write; those
+            // of partitions still owned are written again (see `settle`).
+            let in_flight = Book::writes_in_flight(&leases);
+            if in_flight > 0 {
+                self.producer.purge();
+                self.metrics.late_writes.inc_by(in_flight);
+                tracing::warn!(in_flight, ?partitions,
+                    "lost partitions had results on their way: taken back from the producer");
+            }
             self.metrics.lost_partitions.inc_by(partitions.len() as u64);
             tracing::warn!(
                 ?partitions,
@@ -587,12 +597,16 @@ impl IntakeContext {
             book = drain_writes(book, &leases, fence, self);
             let late = Book::writes_in_flight(&leases);
             if late > 0 {
+                // The fence waited as long as the group's rebalance allows (the write fence
+                // fits inside max.poll.interval.ms, the rebalance timeout of both protocols):
+                // take the rest back, so nothing queued is sent once the partition moves.
+                self.producer.purge();
                 self.metrics.late_writes.inc_by(late);
                 tracing::error!(
                     late,
                     ?partitions,
-                    "results of revoked partitions still unacknowledged; they may land after \
-                     the new owner's"
+                    "results of revoked partitions still unacknowledged at the fence's deadline: \
+                     purged from the producer (any already on the wire may still land)"
                 );
             }
             let tpl = book.commit_list(Some(&partitions), true);
@@ -637,10 +651,20 @@ impl IntakeContext {
             .collect();
         tracing::warn!(error = %error, ?dropped,
             "rebalance error: dropping the state of partitions no longer assigned");
+        let leases: Vec<Arc<Lease>> = dropped
+            .iter()
+            .filter_map(|p| book.partitions.get(p).map(|s| s.lease.clone()))
+            .collect();
         for p in &dropped {
             book.drop_pending(*p);
         }
         book.forget(&dropped);
+        // As for a lost assignment: nothing of theirs may land after a new owner's writes.
+        let in_flight = Book::writes_in_flight(&leases);
+        if in_flight > 0 {
+            self.producer.purge();
+            self.metrics.late_writes.inc_by(in_flight);
+        }
         self.metrics.in_flight.set(book.tracker.in_flight() as i64);
     }
 }
@@ -747,6 +771,50 @@ pub struct IntakeLoop {
     /// What the loop waits on when it took nothing: rung by the partition queues and by the
     /// commit thread's answers.
     doorbell: Arc<Doorbell>,
+    /// Judges the membership fence while the loop's thread is blocked (see [`FenceTimer`]).
+    fence_timer: RefCell<Option<FenceTimer>>,
+}
+
+/// How often the membership fence is judged on its own thread.
+const FENCE_TICK: Duration = Duration::from_millis(100);
+
+/// The membership fence judged on a timer of its own. The consumer loop judges it every
+/// turn, but its thread blocks for seconds at a time in a revocation's drain and final commit,
+/// in `committed_offsets` of an assignment and in metadata requests; during a cooperative
+/// rebalance the partitions it still holds keep writing meanwhile, and a coordinator silent
+/// past two thirds of the session timeout must close the gate then too.
+struct FenceTimer {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl FenceTimer {
+    fn start(consumer: Arc<BaseConsumer<IntakeContext>>) -> std::io::Result<Self> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("membership-fence".into())
+            .spawn(move || {
+                while !stopped.load(Ordering::Acquire) {
+                    consumer.context().judge_membership();
+                    std::thread::sleep(FENCE_TICK);
+                }
+            })?;
+        Ok(Self {
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for FenceTimer {
+    /// Ends the thread (and its hold on the consumer) before the consumer is closed.
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 /// How the consumer loop is told to stop, and tells the sessions to.
@@ -833,6 +901,7 @@ impl IntakeLoop {
             runtime,
             tokens,
             doorbell,
+            fence_timer: RefCell::new(None),
         })
     }
 
@@ -851,6 +920,11 @@ impl IntakeLoop {
             tracing::error!(error = %e, "subscribe failed");
             self.close();
             return Err(IntakeError::Subscribe(e));
+        }
+        match FenceTimer::start(self.consumer.clone()) {
+            Ok(timer) => *self.fence_timer.borrow_mut() = Some(timer),
+            Err(e) => tracing::warn!(error = %e,
+                "no thread for the membership fence; it is judged by the consumer loop only"),
         }
         let mut queues = PartitionQueues::new(
             self.consumer.clone(),
@@ -1402,6 +1476,7 @@ impl IntakeLoop {
             self.consumer.poll(Duration::from_millis(50));
         }
         let failures = self.ctx().close_commit_failures.load(Ordering::Acquire);
+        drop(self.fence_timer.take());
         drop(self.consumer);
         (failures != CLOSE_COMMIT_NOT_RUN).then_some(failures)
     }

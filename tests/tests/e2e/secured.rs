@@ -153,7 +153,14 @@ async fn every_client_reaches_a_sasl_ssl_cluster_and_a_wrong_password_only_makes
     );
     assert!(wrong.running());
     let _ = wrong.terminate();
-    let wrong_lag = lag::read(&settings, &wrong_group, &topic, Duration::from_secs(10)).unwrap();
+    // The group's coordinator may still be loading on this fresh cluster: ask until it answers.
+    let mut wrong_lag = None;
+    let _ = wait_until(Duration::from_secs(60), || {
+        wrong_lag = lag::read(&settings, &wrong_group, &topic, Duration::from_secs(10)).ok();
+        wrong_lag.is_some()
+    })
+    .await;
+    let wrong_lag = wrong_lag.expect("the wrong group's offsets never became readable");
     assert!(
         wrong_lag.iter().all(|l| l.committed.is_none()),
         "the worker with a wrong password committed: {wrong_lag:?}"
