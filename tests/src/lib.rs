@@ -539,6 +539,18 @@ impl WorkerProcess {
     }
 }
 
+impl Drop for WorkerProcess {
+    /// A test that fails (panics) before it stops its workers must not leave them running: they
+    /// would hold their metrics ports and groups for the tests after it. Killed, not stopped:
+    /// a failed test's verdict is made.
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
 /// A file removed when dropped.
 pub struct TempFile(pub PathBuf);
 

@@ -212,7 +212,7 @@ mod tests {
                         .min(burst)
                         .min(offsets.len() - next);
                     for &o in &offsets[next..next + take] {
-                        tracker.begin(o).unwrap();
+                        tracker.begin(o, 0).unwrap();
                         in_flight.push(o);
                         held |= should_hold(0, tracker.replay_span(), cap);
                     }

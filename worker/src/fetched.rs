@@ -97,6 +97,11 @@ impl FetchedMessage<'_> {
         Self { raw, headers }
     }
 
+    /// The C record, for what rdkafka's traits do not read (see `kafka_epoch`).
+    pub(crate) fn raw(&self) -> &rd_kafka_message_t {
+        self.raw
+    }
+
     fn error(&self) -> Option<KafkaError> {
         (self.raw.err != rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR)
             .then(|| KafkaError::MessageConsumption(RDKafkaErrorCode::from(self.raw.err)))

@@ -51,11 +51,13 @@ use crate::config::{RebalanceStrategy, SessionSource};
 use crate::dlq::DlqReason;
 use crate::handoff::{Batch, Handoff, Refused};
 use crate::health::Health;
+use crate::kafka_epoch::{self, ReadAtEpoch};
 use crate::lag::Assigned;
+use crate::leader_epochs::Epoch;
 use crate::membership::{Fence, Verdict};
 use crate::metrics::Metrics;
 use crate::offset_map::{self, DoneAbove};
-use crate::offsets::{OffsetTracker, Partition};
+use crate::offsets::{Offset, OffsetError, OffsetTracker, Partition};
 use crate::partition_queues::{self, Doorbell, PartitionQueues};
 use crate::prefetch::Prefetch;
 use crate::producer::StageProducer;
@@ -164,6 +166,23 @@ struct PartitionState {
     /// The completed-offset map no longer fits in commit metadata: take no new records until
     /// the watermark catches up.
     map_overflow: bool,
+    /// Rewound (see [`IntakeLoop::rewind`]) after a rewritten record at this offset: records
+    /// above it are what was left of the fetch before the rewind, until the refetch starts.
+    rewound_at: Option<Offset>,
+}
+
+impl PartitionState {
+    fn new(lease: Arc<Lease>, done_above: DoneAbove) -> Self {
+        Self {
+            lease,
+            pending: PendingBuffer::default(),
+            held: false,
+            unreleased: 0,
+            done_above,
+            map_overflow: false,
+            rewound_at: None,
+        }
+    }
 }
 
 /// Everything the loop and the rebalance callback share.
@@ -256,7 +275,13 @@ impl Book {
             let Some(o) = self.tracker.partition_mut(p) else {
                 continue;
             };
-            let map = offset_map::encode(w, o.next().unwrap_or(w), o.in_flight_offsets());
+            let map = offset_map::encode(
+                w,
+                o.next().unwrap_or(w),
+                o.newest_epoch(),
+                o.in_flight_offsets(),
+            );
+            let epoch = o.epoch_below(w);
             o.mark_sent(w);
             let overflow = matches!(map, Err(offset_map::MapError::TooLarge(_)));
             if let Some(state) = self.partitions.get_mut(&p) {
@@ -272,6 +297,9 @@ impl Book {
             let _ = tpl.add_partition_offset(&self.topic, p, KafkaOffset::Offset(w));
             if let (Ok(text), Some(mut el)) = (map, tpl.find_partition(&self.topic, p)) {
                 el.set_metadata(text);
+            }
+            if let Some(epoch) = epoch {
+                kafka_epoch::set_committed_epoch(&mut tpl, &self.topic, p, epoch);
             }
         }
         tpl
@@ -433,7 +461,16 @@ impl IntakeContext {
     }
 
     fn on_assign(&self, consumer: &BaseConsumer<IntakeContext>, tpl: &TopicPartitionList) {
-        let committed = self.committed_maps(consumer, tpl);
+        let committed = match consumer.committed_offsets(tpl.clone(), Duration::from_secs(10)) {
+            Ok(c) => {
+                self.validate_starts(consumer, &c);
+                self.committed_maps(&c)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "reading committed offsets failed; replaying from the watermark");
+                HashMap::new()
+            }
+        };
         let mut book = self.book();
         for e in tpl.elements_for_topic(&self.settings.input) {
             let p = e.partition();
@@ -453,17 +490,8 @@ impl IntakeContext {
             if let Ok(mut a) = book.assigned.lock() {
                 a.insert(p);
             }
-            book.partitions.insert(
-                p,
-                PartitionState {
-                    lease,
-                    pending: PendingBuffer::default(),
-                    held: false,
-                    unreleased: 0,
-                    done_above,
-                    map_overflow: false,
-                },
-            );
+            book.partitions
+                .insert(p, PartitionState::new(lease, done_above));
             tracing::info!(partition = p, "partition assigned");
         }
         let prefetch = self.settings.prefetch;
@@ -480,21 +508,58 @@ impl IntakeContext {
         book.assignment_version += 1;
     }
 
+    /// Has librdkafka check each newly assigned partition's committed offset against the log
+    /// before it fetches from there: a seek to the offset with the leader epoch committed with
+    /// it. librdkafka starts an assignment at the committed offset without that check (it
+    /// checks only on a seek, or when it sees the leader epoch rise), so a log truncated and
+    /// written on while no one owned the partition would be read from the committed offset on,
+    /// and the rewritten records below it skipped. With the check, a truncation below the
+    /// committed offset moves the start back to the truncation point (see `leader_epochs`).
+    fn validate_starts(
+        &self,
+        consumer: &BaseConsumer<IntakeContext>,
+        committed: &TopicPartitionList,
+    ) {
+        let topic = &self.settings.input;
+        let mut starts = TopicPartitionList::new();
+        for e in committed.elements_for_topic(topic) {
+            let KafkaOffset::Offset(w) = e.offset() else {
+                continue;
+            };
+            let Some(epoch) = kafka_epoch::committed_epoch(committed, topic, e.partition()) else {
+                continue; // committed without an epoch: nothing to check against
+            };
+            if starts
+                .add_partition_offset(topic, e.partition(), KafkaOffset::Offset(w))
+                .is_ok()
+            {
+                kafka_epoch::set_committed_epoch(&mut starts, topic, e.partition(), epoch);
+            }
+        }
+        if starts.count() == 0 {
+            return;
+        }
+        match consumer.seek_partitions(starts, Duration::from_secs(10)) {
+            Ok(result) => {
+                for e in result.elements() {
+                    if let Err(err) = e.error() {
+                        tracing::warn!(error = %err, partition = e.partition(),
+                            "could not check the committed offset against the log");
+                    }
+                }
+            }
+            Err(err) => tracing::warn!(error = %err,
+                "could not check the committed offsets against the log"),
+        }
+    }
+
     /// The committed offsets of the newly assigned partitions, each with its completed-offset
     /// map (empty where the broker kept no metadata, or where the map cannot be trusted).
     fn committed_maps(
         &self,
-        consumer: &BaseConsumer<IntakeContext>,
-        tpl: &TopicPartitionList,
+        committed: &TopicPartitionList,
     ) -> HashMap<Partition, (i64, DoneAbove)> {
         let mut maps = HashMap::new();
-        let committed = match consumer.committed_offsets(tpl.clone(), Duration::from_secs(10)) {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(error = %e, "reading committed offsets failed; replaying from the watermark");
-                return maps;
-            }
-        };
         let cap = self.settings.max_in_flight_per_partition;
         for e in committed.elements_for_topic(&self.settings.input) {
             let KafkaOffset::Offset(w) = e.offset() else {
@@ -559,8 +624,11 @@ impl IntakeContext {
             if in_flight > 0 {
                 self.producer.purge();
                 self.metrics.late_writes.inc_by(in_flight);
-                tracing::warn!(in_flight, ?partitions,
-                    "lost partitions had results on their way: taken back from the producer");
+                tracing::warn!(
+                    in_flight,
+                    ?partitions,
+                    "lost partitions had results on their way: taken back from the producer"
+                );
             }
             self.metrics.lost_partitions.inc_by(partitions.len() as u64);
             tracing::warn!(
@@ -1097,21 +1165,81 @@ impl IntakeLoop {
         }
     }
 
+    /// The partition's log was truncated and written on from `at` by a newer leader (its
+    /// record there was read again at the newer `epoch`: see [`crate::leader_epochs`]).
+    /// librdkafka has moved the fetch position back without a word, and the records from `at`
+    /// on are new ones, never processed. Every record of the partition in flight is given up
+    /// (its lease revoked: what is not written yet is not written), its books start over, and
+    /// it is fetched again from its contiguous watermark, or from `at` if lower: what was in
+    /// flight is replayed and what was rewritten is processed — nothing is skipped. (Outputs of
+    /// the records the truncation took away may already be written; Kafka lost those inputs.)
+    fn rewind(&self, book: &mut Book, partition: Partition, at: Offset, epoch: Epoch) {
+        let ctx = self.ctx();
+        let from = book
+            .tracker
+            .partition(partition)
+            .and_then(|o| o.watermark())
+            .map_or(at, |w| w.min(at));
+        book.next_epoch += 1;
+        let lease = Arc::new(Lease::new(partition, book.next_epoch));
+        let Some(state) = book.partitions.get_mut(&partition) else {
+            return;
+        };
+        state.lease.revoke();
+        let given_up = state.unreleased;
+        *state = PartitionState::new(lease, DoneAbove::empty(from));
+        state.rewound_at = Some(at);
+        book.tracker.revoke(partition);
+        book.tracker.assign(partition);
+        ctx.metrics.log_truncations.inc();
+        tracing::warn!(
+            partition,
+            at,
+            epoch,
+            from,
+            given_up,
+            "input log truncated and rewritten by a new leader: records in flight given up, \
+             replaying the partition from its watermark"
+        );
+        if let Err(e) = self.consumer.seek(
+            &ctx.settings.input,
+            partition,
+            KafkaOffset::Offset(from),
+            Duration::from_secs(10),
+        ) {
+            // librdkafka fetches from `at` then, above `from`: the records between were in
+            // flight here and are given up — the next owner (after a restart or a
+            // rebalance) replays them from the committed offset, never above `from`.
+            tracing::error!(error = %e, partition, from, "seek after a log truncation failed");
+        }
+    }
+
     /// Takes one record in: track it, then route it, park it, or dead-letter it; hold its
     /// partition if that is now due.
-    fn intake(&self, book: &mut Book, message: &impl Message) {
+    fn intake(&self, book: &mut Book, message: &(impl Message + ReadAtEpoch)) {
         let ctx = self.consumer.context();
         let partition = message.partition();
         let offset = message.offset();
+        let epoch = message.leader_epoch();
         let Some(state) = book.partitions.get_mut(&partition) else {
             return; // a late record of a partition no longer assigned here
         };
-        if book.tracker.begin(partition, offset).is_err() {
-            // Already taken in (a record fetched again); never process twice.
+        if state.rewound_at.is_some_and(|at| offset > at) {
+            // The rest of a fetch from before a rewind: fetched again from the rewind's start.
             return;
         }
+        state.rewound_at = None;
+        match book.tracker.begin(partition, offset, epoch) {
+            Ok(()) => {}
+            Err(OffsetError::Rewritten { .. }) => {
+                self.rewind(book, partition, offset, epoch);
+                return;
+            }
+            // Already taken in (a record fetched again); never process twice.
+            Err(_) => return,
+        }
         ctx.metrics.records_in.inc();
-        if state.done_above.is_done(offset) {
+        if state.done_above.is_done(offset, epoch) {
             // Finished by a previous owner (commit metadata): skip, but keep it in the books so
             // the watermark moves over it.
             ctx.metrics.replay_skipped.inc();

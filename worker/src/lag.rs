@@ -256,7 +256,7 @@ mod tests {
     fn effective_lag_subtracts_what_the_map_marks_done() {
         // Watermark 10, offsets 10..20 taken in; 11, 12 and 15 unfinished, so 13, 14 and
         // 16..19 are done above the watermark (10 itself is unfinished too).
-        let metadata = offset_map::encode(10, 20, [10, 11, 12, 15]).unwrap();
+        let metadata = offset_map::encode(10, 20, 0, [10, 11, 12, 15]).unwrap();
         assert_eq!(done_above(10, 20, &metadata), 6);
         // Only what lies below the high watermark counts.
         assert_eq!(done_above(10, 17, &metadata), 3);

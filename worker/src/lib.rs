@@ -3,7 +3,8 @@
 //!
 //! A record's path: the consumer loop ([`intake`]) takes it in a burst from its partition's
 //! queue ([`partition_queues`], [`fetched`]) into a [`record`], tracks its offset
-//! ([`offsets`]) and hashes its session onto a dispatcher ([`routing`]), to which it hands the
+//! ([`offsets`], with the leader epoch it was read at: [`leader_epochs`], [`kafka_epoch`])
+//! and hashes its session onto a dispatcher ([`routing`]), to which it hands the
 //! turn's records as one batch ([`handoff`], [`dispatcher`]), parking them when the
 //! dispatcher is full ([`backpressure`]); the
 //! session's own task ([`session`]) runs the [`handler`], retrying in place ([`retry`]); the
@@ -23,7 +24,9 @@ pub mod handler;
 pub mod handoff;
 pub mod health;
 pub mod intake;
+pub mod kafka_epoch;
 pub mod lag;
+pub mod leader_epochs;
 pub mod loadgen;
 pub mod mailbox;
 pub mod membership;

@@ -43,9 +43,11 @@ pub struct Metrics {
     pub dlq_write_errors: IntCounter,
     pub blocked_writes: IntGauge,
     pub late_writes: IntCounter,
+    pub writes_taken_back: IntCounter,
     pub commit_failing_partitions: IntGauge,
     pub offset_maps_ignored: IntCounter,
     pub lost_partitions: IntCounter,
+    pub log_truncations: IntCounter,
     pub membership_doubts: IntCounter,
     pub write_gate_closed: IntGauge,
     pub final_commit_failures: IntCounter,
@@ -123,6 +125,13 @@ impl Metrics {
             "Results of a revoked partition still unacknowledged when its revocation stopped \
              waiting for them: they may land after the new owner's. Must stay 0.",
         );
+        let writes_taken_back = counter(
+            "writes_taken_back_total",
+            "Results the worker took back from its producer before they were sent (a purge: \
+             the membership fence, a lost partition, a revocation or a shutdown whose fence ran \
+             out): written again if the partition is still this worker's, else released to its \
+             next owner.",
+        );
         let commit_failing_partitions = gauge(
             "commit_failing_partitions",
             "Partitions whose last offset commit failed; their replay span is measured from the \
@@ -137,6 +146,12 @@ impl Metrics {
             "lost_partitions_total",
             "Partitions lost without a revocation (session timeout, fenced member): dropped \
              without a drain or a commit.",
+        );
+        let log_truncations = counter(
+            "log_truncations_total",
+            "Input partitions found rewritten by a new leader (records read again at a newer \
+             leader epoch): their records in flight were given up and the partition replayed \
+             from its watermark.",
         );
         let membership_doubts = counter(
             "membership_doubts_total",
@@ -260,9 +275,11 @@ impl Metrics {
             dlq_write_errors,
             blocked_writes,
             late_writes,
+            writes_taken_back,
             commit_failing_partitions,
             offset_maps_ignored,
             lost_partitions,
+            log_truncations,
             membership_doubts,
             write_gate_closed,
             final_commit_failures,

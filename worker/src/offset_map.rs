@@ -15,8 +15,13 @@
 //! in-flight cap allows, or does not decode — is ignored: the partition replays from the plain
 //! watermark, which is always safe.
 //!
-//! Encoding: `sf2` + `r` (run lengths) or `b` (bitset), whichever is shorter, + base64 of
-//! `varint(watermark)`, `varint(span)` followed by the runs (alternating unfinished/done, starting with unfinished —
+//! A map also belongs to one log: it carries the newest leader epoch of the records taken in
+//! when it was written, and an offset it marks done is skipped only for a record of that epoch
+//! or older. After a truncation (see `leader_epochs`) the same offsets hold records of a newer
+//! epoch, which were never processed: they are processed, not skipped.
+//!
+//! Encoding: `sf3` + `r` (run lengths) or `b` (bitset), whichever is shorter, + base64 of
+//! `varint(watermark)`, `varint(epoch + 1)`, `varint(span)` followed by the runs (alternating unfinished/done, starting with unfinished —
 //! the watermark itself is unfinished by definition) or by the bitset (bit i = offset
 //! watermark+i is done). Over [`MAX_METADATA`] characters the map is not sent: the commit falls
 //! back to the plain watermark and the caller stops taking records for that partition until the
@@ -27,18 +32,22 @@
 use base64::engine::general_purpose::STANDARD_NO_PAD;
 use base64::Engine;
 
+use crate::leader_epochs::{Epoch, UNKNOWN};
 use crate::offsets::Offset;
 
 /// Commit metadata larger than this is not sent (brokers cap it near 4 KB by default).
 pub const MAX_METADATA: usize = 4_000;
-const PREFIX: &str = "sf2";
-/// The first format, without its watermark: never trusted.
+const PREFIX: &str = "sf3";
+/// Earlier formats, never trusted: the first has no watermark, the second no leader epoch.
 const PREFIX_V1: &str = "sf1";
+const PREFIX_V2: &str = "sf2";
 
 /// Offsets at and above a committed watermark that are already done.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DoneAbove {
     watermark: Offset,
+    /// The newest leader epoch of the records taken in when the map was written.
+    epoch: Epoch,
     /// bit i: offset watermark + i is done.
     done: Vec<bool>,
 }
@@ -49,8 +58,8 @@ pub enum MapError {
     TooLarge(usize),
     #[error("not a sessionflow offset map")]
     Foreign,
-    #[error("offset map of the first format (no watermark recorded)")]
-    Outdated,
+    #[error("offset map of an earlier format ({0})")]
+    Outdated(&'static str),
     #[error("offset map written for watermark {map}, but the committed offset is {committed}")]
     OtherWatermark { map: Offset, committed: Offset },
     #[error("offset map describes {span} offsets, more than the in-flight cap {cap}")]
@@ -64,13 +73,16 @@ impl DoneAbove {
     pub fn empty(watermark: Offset) -> Self {
         Self {
             watermark,
+            epoch: UNKNOWN,
             done: Vec::new(),
         }
     }
 
-    /// Whether `offset` is known to be done.
-    pub fn is_done(&self, offset: Offset) -> bool {
-        offset >= self.watermark
+    /// Whether the record at `offset`, read at leader epoch `epoch`, is known to be done: its
+    /// offset is marked, and it is not of a leader newer than the map (a rewritten log).
+    pub fn is_done(&self, offset: Offset, epoch: Epoch) -> bool {
+        epoch <= self.epoch
+            && offset >= self.watermark
             && usize::try_from(offset - self.watermark)
                 .ok()
                 .and_then(|i| self.done.get(i).copied())
@@ -95,11 +107,13 @@ impl DoneAbove {
 }
 
 /// Encodes the map for a partition whose watermark is `watermark`, whose highest offset taken
-/// in is `next - 1`, and whose unfinished offsets are `incomplete` (ascending, all ≥
-/// `watermark`). Returns an empty string when nothing above the watermark is done.
+/// in is `next - 1`, the newest leader epoch of whose records taken in is `epoch`, and whose
+/// unfinished offsets are `incomplete` (ascending, all ≥ `watermark`). Returns an empty
+/// string when nothing above the watermark is done.
 pub fn encode(
     watermark: Offset,
     next: Offset,
+    epoch: Epoch,
     incomplete: impl IntoIterator<Item = Offset>,
 ) -> Result<String, MapError> {
     let span = u64::try_from(next - watermark).unwrap_or(0);
@@ -139,6 +153,11 @@ pub fn encode(
     }
     let mut payload = Vec::new();
     put_varint(&mut payload, watermark as u64);
+    // Shifted by one, so that an unknown epoch (-1) is written as 0.
+    put_varint(
+        &mut payload,
+        u64::try_from(i64::from(epoch) + 1).unwrap_or(0),
+    );
     put_varint(&mut payload, span);
     let head = payload.len();
     for r in &runs {
@@ -177,7 +196,10 @@ pub fn decode(watermark: Offset, metadata: &str) -> Result<DoneAbove, MapError> 
         return Ok(DoneAbove::empty(watermark));
     }
     if metadata.starts_with(PREFIX_V1) {
-        return Err(MapError::Outdated);
+        return Err(MapError::Outdated("no watermark recorded"));
+    }
+    if metadata.starts_with(PREFIX_V2) {
+        return Err(MapError::Outdated("no leader epoch recorded"));
     }
     let rest = metadata.strip_prefix(PREFIX).ok_or(MapError::Foreign)?;
     let mut chars = rest.chars();
@@ -194,6 +216,10 @@ pub fn decode(watermark: Offset, metadata: &str) -> Result<DoneAbove, MapError> 
             committed: watermark,
         });
     }
+    let epoch = i64::try_from(get_varint(&mut input)?)
+        .ok()
+        .and_then(|e| Epoch::try_from(e - 1).ok())
+        .ok_or(MapError::Corrupt("leader epoch out of range"))?;
     let span = get_varint(&mut input)?;
     if span > (MAX_METADATA as u64) * 8 * 1024 {
         return Err(MapError::Corrupt("span too large"));
@@ -227,7 +253,11 @@ pub fn decode(watermark: Offset, metadata: &str) -> Result<DoneAbove, MapError> 
         }
         _ => return Err(MapError::Corrupt("unknown kind")),
     }
-    Ok(DoneAbove { watermark, done })
+    Ok(DoneAbove {
+        watermark,
+        epoch,
+        done,
+    })
 }
 
 /// [`decode`], refusing a map that describes more than `cap` offsets: no owner with the same
@@ -273,34 +303,48 @@ mod tests {
 
     #[test]
     fn nothing_done_above_encodes_empty() {
-        assert_eq!(encode(10, 10, []).unwrap(), "");
-        assert_eq!(encode(10, 13, [10, 11, 12]).unwrap(), "");
+        assert_eq!(encode(10, 10, 0, []).unwrap(), "");
+        assert_eq!(encode(10, 13, 0, [10, 11, 12]).unwrap(), "");
         assert_eq!(decode(10, "").unwrap().count(), 0);
     }
 
     #[test]
     fn round_trip_small() {
         // 100 unfinished; 101, 102 done; 103 unfinished; 104 done.
-        let text = encode(100, 105, [100, 103]).unwrap();
+        let text = encode(100, 105, 3, [100, 103]).unwrap();
         let map = decode(100, &text).unwrap();
-        let done: Vec<i64> = (95..110).filter(|o| map.is_done(*o)).collect();
+        let done: Vec<i64> = (95..110).filter(|o| map.is_done(*o, 3)).collect();
         assert_eq!(done, vec![101, 102, 104]);
     }
 
     #[test]
+    fn a_marked_offset_of_a_newer_leader_is_not_done() {
+        let text = encode(100, 105, 3, [100, 103]).unwrap();
+        let map = decode(100, &text).unwrap();
+        // Records of the map's epoch or older: the ones that were done.
+        assert!(map.is_done(101, 3) && map.is_done(101, 2));
+        // The log was truncated and written on by the leader of epoch 4: new records.
+        assert!((100..105).all(|o| !map.is_done(o, 4)));
+        // A broker that reports no epochs: both sides unknown, as before epochs were read.
+        let text = encode(100, 105, UNKNOWN, [100, 103]).unwrap();
+        let map = decode(100, &text).unwrap();
+        assert!(map.is_done(101, UNKNOWN) && !map.is_done(101, 0));
+    }
+
+    #[test]
     fn long_runs_prefer_rle_and_scattered_prefer_bitset() {
-        let rle = encode(0, 100_000, [0]).unwrap();
-        assert!(rle.starts_with("sf2r") && rle.len() < 16, "{rle}");
+        let rle = encode(0, 100_000, 7, [0]).unwrap();
+        assert!(rle.starts_with("sf3r") && rle.len() < 20, "{rle}");
         let scattered: Vec<i64> = (0..2_000).step_by(2).collect();
-        let bits = encode(0, 2_000, scattered).unwrap();
-        assert!(bits.starts_with("sf2b"), "{bits}");
+        let bits = encode(0, 2_000, 7, scattered).unwrap();
+        assert!(bits.starts_with("sf3b"), "{bits}");
     }
 
     #[test]
     fn too_large_is_refused() {
         let scattered: Vec<i64> = (0..100_000).step_by(2).collect();
         assert!(matches!(
-            encode(0, 100_000, scattered),
+            encode(0, 100_000, 0, scattered),
             Err(MapError::TooLarge(_))
         ));
     }
@@ -308,14 +352,19 @@ mod tests {
     #[test]
     fn foreign_and_corrupt_metadata_are_errors() {
         assert_eq!(decode(0, "hello"), Err(MapError::Foreign));
-        assert!(matches!(decode(0, "sf2r!!!"), Err(MapError::Corrupt(_))));
-        assert!(matches!(decode(0, "sf2x"), Err(MapError::Corrupt(_))));
-        assert_eq!(decode(0, "sf1rAQ"), Err(MapError::Outdated));
+        assert!(matches!(decode(0, "sf3r!!!"), Err(MapError::Corrupt(_))));
+        assert!(matches!(decode(0, "sf3x"), Err(MapError::Corrupt(_))));
+        assert!(matches!(decode(0, "sf1rAQ"), Err(MapError::Outdated(_))));
+        // The second format (no leader epoch: it cannot tell a rewritten log) is replayed.
+        assert!(matches!(
+            decode(0, "sf2rAAUBAQ"),
+            Err(MapError::Outdated(_))
+        ));
     }
 
     #[test]
     fn a_map_read_with_another_watermark_is_refused() {
-        let text = encode(100, 105, [100, 103]).unwrap();
+        let text = encode(100, 105, 0, [100, 103]).unwrap();
         // Rewound (an operator reset the group) and advanced (a later commit landed first).
         for committed in [0, 99, 101, 104, 1_000] {
             assert_eq!(
@@ -331,7 +380,7 @@ mod tests {
 
     #[test]
     fn a_map_wider_than_the_cap_is_refused() {
-        let text = encode(0, 500, [0, 7]).unwrap();
+        let text = encode(0, 500, 0, [0, 7]).unwrap();
         assert!(decode_within(0, &text, 500).is_ok());
         assert_eq!(
             decode_within(0, &text, 499),
@@ -343,9 +392,15 @@ mod tests {
     }
 
     /// The encoder as it was before it built runs in one pass and the bitset only when
-    /// chosen: what it writes must not change (maps written by one version are read by the
-    /// next, during a rolling update).
-    fn reference_encode(watermark: Offset, next: Offset, incomplete: &[Offset]) -> String {
+    /// chosen (with the leader epoch of the third format after the watermark): what it writes
+    /// must not change (maps written by one version are read by the next, during a rolling
+    /// update).
+    fn reference_encode(
+        watermark: Offset,
+        next: Offset,
+        epoch: Epoch,
+        incomplete: &[Offset],
+    ) -> String {
         let span = u64::try_from(next - watermark).unwrap_or(0);
         let incomplete: Vec<u64> = incomplete
             .iter()
@@ -371,12 +426,14 @@ mod tests {
         }
         let mut rle = Vec::new();
         put_varint(&mut rle, watermark as u64);
+        put_varint(&mut rle, (epoch + 1) as u64);
         put_varint(&mut rle, span);
         for r in &runs {
             put_varint(&mut rle, *r);
         }
         let mut bits = Vec::new();
         put_varint(&mut bits, watermark as u64);
+        put_varint(&mut bits, (epoch + 1) as u64);
         put_varint(&mut bits, span);
         let mut bitset = vec![0u8; span.div_ceil(8) as usize];
         let mut next_incomplete = incomplete.iter().peekable();
@@ -402,13 +459,13 @@ mod tests {
         #[test]
         fn arbitrary_metadata_never_marks_offsets_below_the_watermark(
             watermark in 0i64..1_000_000,
-            text in "(sf2[rb])?[A-Za-z0-9+/]{0,40}",
+            text in "(sf3[rb])?[A-Za-z0-9+/]{0,40}",
             cap in 1usize..5_000,
         ) {
             if let Ok(map) = decode_within(watermark, &text, cap) {
                 prop_assert!(map.span() <= cap);
-                prop_assert!(!map.is_done(watermark - 1));
-                prop_assert!(!map.is_done(watermark + cap as i64));
+                prop_assert!(!map.is_done(watermark - 1, UNKNOWN));
+                prop_assert!(!map.is_done(watermark + cap as i64, UNKNOWN));
             }
         }
 
@@ -419,7 +476,7 @@ mod tests {
             other in 0i64..1_000_000,
             span in 2i64..500,
         ) {
-            let text = encode(watermark, watermark + span, [watermark]).unwrap();
+            let text = encode(watermark, watermark + span, 0, [watermark]).unwrap();
             prop_assert_eq!(decode(other, &text).is_ok(), other == watermark);
         }
 
@@ -431,6 +488,7 @@ mod tests {
             span in 0i64..3_000,
             steps in prop::collection::vec(prop_oneof![1i64..3, 1i64..40], 0..400),
             before in 0i64..3,
+            epoch in -1i32..100_000,
         ) {
             let next = watermark + span;
             let incomplete: Vec<Offset> = steps
@@ -441,8 +499,8 @@ mod tests {
                     Some(o)
                 })
                 .collect();
-            let ours = encode(watermark, next, incomplete.iter().copied());
-            let theirs = reference_encode(watermark, next, &incomplete);
+            let ours = encode(watermark, next, epoch, incomplete.iter().copied());
+            let theirs = reference_encode(watermark, next, epoch, &incomplete);
             match ours {
                 Ok(text) => prop_assert_eq!(text, theirs),
                 Err(MapError::TooLarge(n)) => prop_assert_eq!(n, theirs.len()),
@@ -451,18 +509,24 @@ mod tests {
         }
 
         #[test]
-        fn round_trips(watermark in 0i64..1_000_000, span in 1u64..3_000, seed in any::<u64>()) {
+        fn round_trips(
+            watermark in 0i64..1_000_000,
+            span in 1u64..3_000,
+            seed in any::<u64>(),
+            epoch in -1i32..i32::MAX,
+        ) {
             // The watermark itself is unfinished; others unfinished by a seeded pattern.
             let next = watermark + span as i64;
             let incomplete: Vec<i64> = (watermark..next)
                 .filter(|o| *o == watermark || (crate::routing::stable_hash(&(o ^ seed as i64).to_le_bytes()) % 7 == 0))
                 .collect();
-            match encode(watermark, next, incomplete.iter().copied()) {
+            match encode(watermark, next, epoch, incomplete.iter().copied()) {
                 Ok(text) => {
                     let map = decode(watermark, &text).unwrap();
                     for o in watermark - 2..next + 2 {
                         let expected = o > watermark && o < next && !incomplete.contains(&o);
-                        prop_assert_eq!(map.is_done(o), expected, "offset {}", o);
+                        prop_assert_eq!(map.is_done(o, epoch), expected, "offset {}", o);
+                        prop_assert!(epoch == i32::MAX || !map.is_done(o, epoch + 1));
                     }
                 }
                 Err(MapError::TooLarge(n)) => prop_assert!(n > MAX_METADATA),

@@ -23,6 +23,8 @@
 
 use std::collections::VecDeque;
 
+use crate::leader_epochs::{Epoch, EpochRuns, UNKNOWN};
+
 /// Kafka partition number.
 pub type Partition = i32;
 /// Kafka offset.
@@ -46,6 +48,8 @@ pub struct PartitionOffsets {
     failing: bool,
     /// Something completed since the last commit was sent (the completed-offset map changed).
     dirty: bool,
+    /// The leader epochs of the offsets begun.
+    epochs: EpochRuns,
 }
 
 /// Offsets begun and not yet completed, ascending.
@@ -124,12 +128,20 @@ impl PartitionOffsets {
     /// Records that `offset` was handed out for processing. Offsets must be begun in increasing
     /// order (the order the partition delivers them); an offset at or below one already begun is
     /// a replay of the same fetch and is rejected.
-    pub fn begin(&mut self, offset: Offset) -> Result<(), OffsetError> {
+    ///
+    /// `epoch` is the leader epoch the record was read at: an offset below the next one
+    /// expected but of a newer epoch is not a replay but a record the log was rewritten with
+    /// (see [`crate::leader_epochs`]), refused as [`OffsetError::Rewritten`].
+    pub fn begin(&mut self, offset: Offset, epoch: Epoch) -> Result<(), OffsetError> {
         if let Some(next) = self.next {
             if offset < next {
+                if self.epochs.rewritten(offset, epoch) {
+                    return Err(OffsetError::Rewritten { offset, epoch });
+                }
                 return Err(OffsetError::NotIncreasing { offset, next });
             }
         }
+        self.epochs.taken(offset, epoch);
         self.in_flight.insert(offset);
         self.next = Some(offset + 1);
         self.first.get_or_insert(offset);
@@ -241,6 +253,18 @@ impl PartitionOffsets {
         self.confirmed = Some(offset);
     }
 
+    /// The leader epoch of the record just below `watermark` (what a commit of `watermark`
+    /// carries, so that a new owner's start is validated against the log), if it was taken in.
+    pub fn epoch_below(&self, watermark: Offset) -> Option<Epoch> {
+        self.epochs.epoch_of(watermark - 1)
+    }
+
+    /// The newest leader epoch taken in ([`UNKNOWN`] before the first record): no record
+    /// marked done in a completed-offset map written now is newer.
+    pub fn newest_epoch(&self) -> Epoch {
+        self.epochs.newest().unwrap_or(UNKNOWN)
+    }
+
     /// The last watermark the broker confirmed.
     pub fn confirmed(&self) -> Option<Offset> {
         self.confirmed
@@ -321,8 +345,16 @@ impl OffsetTracker {
         self.partitions.remove(&partition)
     }
 
-    pub fn begin(&mut self, partition: Partition, offset: Offset) -> Result<(), OffsetError> {
-        self.partitions.entry(partition).or_default().begin(offset)
+    pub fn begin(
+        &mut self,
+        partition: Partition,
+        offset: Offset,
+        epoch: Epoch,
+    ) -> Result<(), OffsetError> {
+        self.partitions
+            .entry(partition)
+            .or_default()
+            .begin(offset, epoch)
     }
 
     /// Marks an offset done. Returns `Ok(false)` when the partition is no longer owned (the
@@ -371,6 +403,8 @@ impl OffsetTracker {
 pub enum OffsetError {
     #[error("offset {offset} begun after offset {} (offsets must increase)", .next - 1)]
     NotIncreasing { offset: Offset, next: Offset },
+    #[error("offset {offset} read again at the newer leader epoch {epoch}: the log was truncated and rewritten")]
+    Rewritten { offset: Offset, epoch: Epoch },
     #[error("offset {offset} completed but it is not in flight")]
     NotInFlight { offset: Offset },
 }
@@ -385,7 +419,7 @@ mod tests {
         let mut p = PartitionOffsets::default();
         assert!(!p.is_settled(), "nothing begun");
         for o in 10..=12 {
-            p.begin(o).unwrap();
+            p.begin(o, 0).unwrap();
         }
         p.complete(10).unwrap();
         assert!(!p.is_settled(), "never committed");
@@ -411,7 +445,7 @@ mod tests {
         let mut p = PartitionOffsets::default();
         assert_eq!(p.watermark(), None);
         for o in 100..=104 {
-            p.begin(o).unwrap();
+            p.begin(o, 0).unwrap();
         }
         assert_eq!(p.watermark(), Some(100));
         p.complete(100).unwrap();
@@ -429,8 +463,8 @@ mod tests {
     #[test]
     fn gaps_in_the_offset_space_do_not_block_the_watermark() {
         let mut p = PartitionOffsets::default();
-        p.begin(10).unwrap();
-        p.begin(15).unwrap(); // 11..14 compacted away
+        p.begin(10, 0).unwrap();
+        p.begin(15, 0).unwrap(); // 11..14 compacted away
         p.complete(10).unwrap();
         assert_eq!(p.watermark(), Some(15));
         p.complete(15).unwrap();
@@ -440,9 +474,9 @@ mod tests {
     #[test]
     fn misuse_is_reported() {
         let mut p = PartitionOffsets::default();
-        p.begin(5).unwrap();
+        p.begin(5, 0).unwrap();
         assert_eq!(
-            p.begin(5),
+            p.begin(5, 0),
             Err(OffsetError::NotIncreasing { offset: 5, next: 6 })
         );
         assert_eq!(p.complete(7), Err(OffsetError::NotInFlight { offset: 7 }));
@@ -451,10 +485,43 @@ mod tests {
     }
 
     #[test]
+    fn an_offset_read_again_at_a_newer_leader_epoch_is_a_rewrite_not_a_replay() {
+        let mut p = PartitionOffsets::default();
+        for o in 0..10 {
+            p.begin(o, 4).unwrap();
+        }
+        for o in 10..20 {
+            p.begin(o, 6).unwrap();
+        }
+        // Fetched again, same records: refused as a replay.
+        assert_eq!(
+            p.begin(12, 6),
+            Err(OffsetError::NotIncreasing {
+                offset: 12,
+                next: 20
+            })
+        );
+        // The log truncated at 12 and rewritten by the leader of epoch 7.
+        assert_eq!(
+            p.begin(12, 7),
+            Err(OffsetError::Rewritten {
+                offset: 12,
+                epoch: 7
+            })
+        );
+        // A commit carries the epoch of the record below its watermark.
+        assert_eq!(p.epoch_below(10), Some(4));
+        assert_eq!(p.epoch_below(11), Some(6));
+        assert_eq!(p.epoch_below(0), None);
+        assert_eq!(p.newest_epoch(), 6);
+        assert_eq!(PartitionOffsets::default().newest_epoch(), UNKNOWN);
+    }
+
+    #[test]
     fn commit_candidate_only_when_the_watermark_moved() {
         let mut t = OffsetTracker::new();
-        t.begin(0, 0).unwrap();
-        t.begin(1, 7).unwrap();
+        t.begin(0, 0, 0).unwrap();
+        t.begin(1, 7, 0).unwrap();
         assert_eq!(t.commit_candidates(), vec![(0, 0), (1, 7)]);
         t.partition_mut(0).unwrap().mark_sent(0);
         t.partition_mut(1).unwrap().mark_sent(7);
@@ -469,7 +536,7 @@ mod tests {
     #[test]
     fn a_failed_commit_is_sent_again_and_an_unanswered_one_after_a_few_turns() {
         let mut p = PartitionOffsets::default();
-        p.begin(0).unwrap();
+        p.begin(0, 0).unwrap();
         p.complete(0).unwrap();
         p.mark_sent(1);
         assert_eq!(p.commit_candidate(), None);
@@ -501,11 +568,11 @@ mod tests {
     fn a_stalled_commit_counts_as_failing_until_answered() {
         let mut p = PartitionOffsets::default();
         for o in 0..300 {
-            p.begin(o).unwrap();
+            p.begin(o, 0).unwrap();
             p.complete(o).unwrap();
         }
         p.set_confirmed(0);
-        p.begin(300).unwrap();
+        p.begin(300, 0).unwrap();
         p.mark_sent(300);
         assert!(p.commit_stalled());
         assert!(p.is_failing());
@@ -525,7 +592,7 @@ mod tests {
     fn an_old_failure_after_a_newer_success_changes_nothing() {
         let mut p = PartitionOffsets::default();
         for o in 0..10 {
-            p.begin(o).unwrap();
+            p.begin(o, 0).unwrap();
             p.complete(o).unwrap();
         }
         p.mark_sent(10);
@@ -540,16 +607,16 @@ mod tests {
         let mut p = PartitionOffsets::default();
         p.set_confirmed(100);
         for o in 100..150 {
-            p.begin(o).unwrap();
+            p.begin(o, 0).unwrap();
             p.complete(o).unwrap();
         }
         p.mark_sent(150);
         p.commit_confirmed(150);
         for o in 150..400 {
-            p.begin(o).unwrap();
+            p.begin(o, 0).unwrap();
             p.complete(o).unwrap();
         }
-        p.begin(400).unwrap();
+        p.begin(400, 0).unwrap();
         assert_eq!(p.span(), 1);
         assert_eq!(p.replay_span(), 251, "150..=400 would be replayed");
         p.mark_sent(400);
@@ -563,7 +630,7 @@ mod tests {
     #[test]
     fn completions_after_revoke_are_ignored() {
         let mut t = OffsetTracker::new();
-        t.begin(3, 1).unwrap();
+        t.begin(3, 1, 0).unwrap();
         assert!(t.revoke(3).is_some());
         assert_eq!(t.complete(3, 1), Ok(false));
         assert!(t.commit_candidates().is_empty());
@@ -575,7 +642,7 @@ mod tests {
         let mut p = PartitionOffsets::default();
         p.set_confirmed(0);
         for o in 0..39 {
-            p.begin(o).unwrap();
+            p.begin(o, 0).unwrap();
         }
         for o in 0..20 {
             p.complete(o).unwrap();
@@ -584,12 +651,12 @@ mod tests {
             !p.wants_early_commit(CAP),
             "39 in the span, below half of 80"
         );
-        p.begin(39).unwrap();
+        p.begin(39, 0).unwrap();
         assert!(p.wants_early_commit(CAP), "40 in the span, 20 gained");
         p.mark_sent(20);
         p.commit_confirmed(20);
         for o in 40..60 {
-            p.begin(o).unwrap();
+            p.begin(o, 0).unwrap();
         }
         for o in 20..29 {
             p.complete(o).unwrap();
@@ -606,7 +673,7 @@ mod tests {
     fn an_early_commit_needs_no_gain_before_the_first_confirmed_one_or_with_a_tiny_cap() {
         let mut p = PartitionOffsets::default();
         for o in 0..4 {
-            p.begin(o).unwrap();
+            p.begin(o, 0).unwrap();
         }
         p.complete(0).unwrap();
         assert!(p.wants_early_commit(8), "nothing confirmed yet");
@@ -642,7 +709,7 @@ mod tests {
         fn never_commits_past_an_incomplete_offset((offsets, order) in offsets_and_order()) {
             let mut p = PartitionOffsets::default();
             for &o in &offsets {
-                p.begin(o).unwrap();
+                p.begin(o, 0).unwrap();
             }
             let mut done = vec![false; offsets.len()];
             let mut last = p.watermark().unwrap();
@@ -675,7 +742,7 @@ mod tests {
             events in prop::collection::vec(0u8..4, 1..200),
         ) {
             let mut p = PartitionOffsets::default();
-            p.begin(0).unwrap();
+            p.begin(0, 0).unwrap();
             p.complete(0).unwrap();
             let mut in_flight: Vec<Offset> = Vec::new();
             for e in events {
@@ -711,7 +778,7 @@ mod tests {
                 match op {
                     0 => {
                         next += step;
-                        p.begin(next).unwrap();
+                        p.begin(next, 0).unwrap();
                         model.insert(next);
                     }
                     1 if !model.is_empty() => {
@@ -743,7 +810,7 @@ mod tests {
             let mut open: Vec<Offset> = Vec::new();
             for (is_begin, pick) in ops {
                 if is_begin || open.is_empty() {
-                    p.begin(next).unwrap();
+                    p.begin(next, 0).unwrap();
                     open.push(next);
                     next += 1;
                 } else {

@@ -125,6 +125,7 @@ impl Settler<'_> {
                     match self.producer.write_output(record, payload, &permit).await {
                         Ok(()) => Ok(()),
                         Err(e) if e.is_purged() => {
+                            self.metrics.writes_taken_back.inc();
                             if self.purged_by_the_fence(record) {
                                 continue;
                             }
@@ -177,6 +178,7 @@ impl Settler<'_> {
                     return Settled::Done;
                 }
                 Err(e) if e.is_purged() => {
+                    self.metrics.writes_taken_back.inc();
                     if self.purged_by_the_fence(record) {
                         continue;
                     }

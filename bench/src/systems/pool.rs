@@ -65,7 +65,11 @@ pub fn start(settings: &SystemSettings, core: Arc<Core>) -> anyhow::Result<Runni
                             let (p, offset) = (m.partition(), m.offset());
                             let view = decode(m.payload(), seq_header(m.headers()));
                             let key = m.key().unwrap_or_default();
-                            let _ = tracker.begin(p, offset);
+                            let _ = tracker.begin(
+                                p,
+                                offset,
+                                sessionflow_worker::leader_epochs::UNKNOWN,
+                            );
                             match view {
                                 Some(v) if !v.warmup => {
                                     let job = Job {

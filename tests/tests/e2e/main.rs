@@ -17,6 +17,7 @@ mod order;
 mod otlp;
 mod prefetch;
 mod protocols;
+mod purges;
 mod rebalance;
 mod replays;
 mod restart;
@@ -24,6 +25,7 @@ mod secured;
 mod shutdown;
 mod stuck;
 mod trace_context;
+mod truncation;
 
 use sessionflow_tests::{brokers, Topics};
 use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};

@@ -154,3 +154,70 @@ fn output_create_times(brokers: &str, topic: &str) -> Vec<i64> {
     assert_eq!(times.len() as i64, wanted, "every output read back");
     times
 }
+
+/// The fence is judged on a timer of its own, not only by the consumer loop, whose thread
+/// blocks for seconds at a time in librdkafka calls: here the committed offsets an assignment
+/// reads (OffsetFetch, which the coordinator's silence leaves unanswered for 10 s), the same
+/// way as the synchronous commit of a revocation while other partitions keep writing. The
+/// gate must close while the loop is still blocked: the worker says "writes stop" before it
+/// says "partition assigned" (which it logs once the read returns). Judged by the loop alone,
+/// the gate closed only after the block, when the loop ran again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gate_closes_while_the_consumer_loop_is_blocked() {
+    let mock = MockKafka::new("fence-blocked", 1, PARTITIONS);
+    const BLOCKED_RECORDS: u64 = 2_000;
+    let opts = LoadgenOptions {
+        choice: SessionChoice::RoundRobin,
+        ..LoadgenOptions::new(&mock.brokers, &mock.topics.input, BLOCKED_RECORDS, 50)
+    };
+    loadgen::run(&opts).await.expect("loadgen");
+    // Silent from the start: the worker's first assignment reads its committed offsets into
+    // the silence (librdkafka retries the timed-out requests until it gives up, 10 s on).
+    let errors = [RDKafkaRespErr::RD_KAFKA_RESP_ERR_REQUEST_TIMED_OUT; 2_000];
+    mock.cluster
+        .request_errors(RDKafkaApiKey::OffsetCommit, &errors);
+    mock.cluster
+        .request_errors(RDKafkaApiKey::OffsetFetch, &errors);
+    let log = std::env::temp_dir().join(sessionflow_tests::unique("fence-blocked") + ".log");
+    let worker = WorkerProcess::spawn_logging_at(
+        &mock.stage_yaml("{seed: 5}", ""),
+        &[],
+        std::fs::File::create(&log).expect("log file").into(),
+        "sessionflow_worker=info",
+    );
+    let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    let both = wait_until(Duration::from_secs(60), || {
+        let said = read_log();
+        said.contains("writes stop") && said.contains("partition assigned")
+    })
+    .await;
+    mock.cluster
+        .clear_request_errors(RDKafkaApiKey::OffsetCommit);
+    mock.cluster
+        .clear_request_errors(RDKafkaApiKey::OffsetFetch);
+    let said = read_log();
+    let intake: Vec<&str> = said.lines().filter(|l| l.contains("intake")).collect();
+    eprintln!("the worker said:\n{}", intake.join("\n"));
+    both.expect("the worker never both closed its gate and finished its assignment");
+    let closed = said.find("writes stop").expect("closed");
+    let assigned = said.find("partition assigned").expect("assigned");
+    assert!(
+        closed < assigned,
+        "the gate closed only after the consumer loop's blocking read had returned"
+    );
+
+    // And once the coordinator answers: writes resume, nothing lost.
+    wait_committed_to_end_on(&mock.brokers, &mock.topics, Duration::from_secs(120))
+        .await
+        .unwrap_or_else(|(committed, end)| panic!("committed {committed:?} never reached {end:?}"));
+    let _ = std::fs::remove_file(&log);
+    assert!(worker.terminate().success());
+    let report = mock.verify();
+    eprintln!("{report}");
+    assert!(report.is_ok(), "{report}");
+    assert_eq!(
+        report.records - report.duplicates,
+        BLOCKED_RECORDS,
+        "{report}"
+    );
+}

@@ -169,7 +169,7 @@ async fn effective_lag_counts_out_records_the_commit_metadata_marks_done() {
     producer.flush(Duration::from_secs(10)).unwrap();
 
     // Watermark 10 on partition 0; of 10..40 only 10, 11, 12 and 15 are unfinished.
-    let map = offset_map::encode(10, 40, [10, 11, 12, 15]).unwrap();
+    let map = offset_map::encode(10, 40, 0, [10, 11, 12, 15]).unwrap();
     let committer = member(&bootstrap, &group);
     commit(&committer, &topic, &[(0, 10, map.as_str())]);
 

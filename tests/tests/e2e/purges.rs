@@ -1,0 +1,219 @@
+//! Results still on their way when a partition leaves: taken back from the producer, and
+//! nothing lost by taking them back.
+//!
+//! librdkafka's mock cluster, for its fault hook: every Produce request is refused with a
+//! retriable error (`NOT_ENOUGH_REPLICAS`) for as long as the test wants, so the worker's
+//! results sit in its producer, retried, while its partitions change hands. Whatever the
+//! producer still holds of a partition that has left must never be sent (it could land after
+//! the next owner's results), so it is purged; the purge takes back the writes of the
+//! partitions still owned too, which are written again, and the records whose writes were
+//! taken back are replayed by whoever owns their partition next — verify finds nothing lost.
+//!
+//! - a revocation whose write fence ran out (the group's rebalance timeout bounds it:
+//!   `max.poll.interval.ms` 15 s here, so the fence waits 8.5 s). On the mock the membership
+//!   fence purges first (the mock's rebalance goes without a word from the coordinator for
+//!   longer than ⅔ of the session timeout), so this test shows that nothing is lost when the
+//!   writes are taken back, not which of the two purges took them (without the revocation's
+//!   own purge it passes as well);
+//! - a lost assignment (the coordinator answers a heartbeat with `UNKNOWN_MEMBER_ID`:
+//!   librdkafka drops the partitions as lost, and the member joins again).
+
+use std::time::Duration;
+
+use rdkafka::mocking::MockCoordinator;
+use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+use sessionflow_tests::{http_get, wait_committed_to_end_on, wait_until, MockKafka, WorkerProcess};
+use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
+
+const PARTITIONS: i32 = 4;
+const RECORDS: u64 = 6_000;
+/// The broker of the input and the group; the other leads the output and the DLQ.
+const INPUT_BROKER: i32 = 1;
+const OUTPUT_BROKER: i32 = 2;
+/// The metrics endpoints of the workers that must purge (ports of these tests' own).
+const REVOKE_METRICS: u16 = 19480;
+const LOST_METRICS: u16 = 19481;
+
+/// A cluster whose group coordinator and input sit on one broker and whose output sits on
+/// the other, loaded at a steady rate from a task.
+fn cluster(name: &str) -> MockKafka {
+    let mock = MockKafka::new(name, 2, PARTITIONS);
+    let topics = &mock.topics;
+    for p in 0..PARTITIONS {
+        mock.cluster
+            .partition_leader(&topics.input, p, Some(INPUT_BROKER))
+            .unwrap();
+        mock.cluster
+            .partition_leader(&topics.output, p, Some(OUTPUT_BROKER))
+            .unwrap();
+    }
+    mock.cluster
+        .partition_leader(&topics.dlq, 0, Some(OUTPUT_BROKER))
+        .unwrap();
+    mock.cluster
+        .coordinator(MockCoordinator::Group(topics.group.clone()), INPUT_BROKER)
+        .unwrap();
+    mock
+}
+
+fn load(mock: &MockKafka) -> tokio::task::JoinHandle<anyhow::Result<loadgen::LoadgenReport>> {
+    let opts = LoadgenOptions {
+        choice: SessionChoice::RoundRobin,
+        rate: Some(300.0),
+        ..LoadgenOptions::new(&mock.brokers, &mock.topics.input, RECORDS, 200)
+    };
+    tokio::spawn(async move { loadgen::run(&opts).await })
+}
+
+/// A worker config on `mock`: cooperative rebalancing, a half-second drain, a rebalance
+/// timeout short enough for the write fence to run out within the test, and metrics on
+/// `metrics_port` if given.
+fn stage(mock: &MockKafka, metrics_port: Option<u16>) -> String {
+    let yaml = mock.stage_yaml(
+        "{latencyMs: 2, seed: 5}",
+        "rebalance: {strategy: cooperative, drainTimeoutMs: 500}",
+    );
+    let yaml = match metrics_port {
+        Some(port) => yaml.replace(
+            "metricsAddr: null",
+            &format!("metricsAddr: 127.0.0.1:{port}"),
+        ),
+        None => yaml,
+    };
+    // The `kafka:` map is the config's last section.
+    format!("{yaml}  max.poll.interval.ms: '15000'\n")
+}
+
+/// [`taken_back`], read until it is not 0 or for two seconds: the purge answers every queued
+/// delivery at once, and each is counted when its session sees the answer.
+async fn taken_back_soon(port: u16) -> u64 {
+    for _ in 0..20 {
+        let taken = taken_back(port).await;
+        if taken > 0 {
+            return taken;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    0
+}
+
+/// What the worker with metrics on `port` has taken back from its producer.
+async fn taken_back(port: u16) -> u64 {
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let (status, body) = http_get(addr, "/metrics").await;
+    assert_eq!(status, 200, "{body}");
+    body.lines()
+        .find_map(|l| l.strip_prefix("sessionflow_writes_taken_back_total{stage=\"test\"} "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map_or(0, |v| v as u64)
+}
+
+/// Starts refusing every Produce request (retriably): results stay in the producers.
+fn refuse_produces(mock: &MockKafka) {
+    let errors = [RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS; 20_000];
+    mock.cluster.request_errors(RDKafkaApiKey::Produce, &errors);
+}
+
+fn accept_produces(mock: &MockKafka) {
+    mock.cluster.clear_request_errors(RDKafkaApiKey::Produce);
+}
+
+/// A worker logging at info to a file of its own, and a reader of that file.
+fn logged_worker(yaml: &str, name: &str) -> (WorkerProcess, std::path::PathBuf) {
+    let log = std::env::temp_dir().join(sessionflow_tests::unique(name) + ".log");
+    let worker = WorkerProcess::spawn_logging_at(
+        yaml,
+        &[],
+        std::fs::File::create(&log).expect("log file").into(),
+        "sessionflow_worker=info",
+    );
+    (worker, log)
+}
+
+fn read(log: &std::path::Path) -> String {
+    std::fs::read_to_string(log).unwrap_or_default()
+}
+
+/// After the faults: everything committed, nothing lost, in order.
+async fn settle_and_verify(mock: &MockKafka, what: &str) {
+    wait_committed_to_end_on(&mock.brokers, &mock.topics, Duration::from_secs(180))
+        .await
+        .unwrap_or_else(|(committed, end)| panic!("committed {committed:?} never reached {end:?}"));
+    let report = mock.verify();
+    eprintln!("{what}:\n{report}");
+    assert_eq!(report.lost, 0, "{report}");
+    assert_eq!(report.order_violations, 0, "{report}");
+    assert_eq!(report.gaps, 0, "{report}");
+    assert_eq!(
+        report.records - report.duplicates + report.dlq_records,
+        RECORDS,
+        "{report}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revocation_whose_write_fence_runs_out_purges_the_producer_and_loses_nothing() {
+    let mock = cluster("purge-revoke");
+    let load = load(&mock);
+    let (first, log) = logged_worker(&stage(&mock, Some(REVOKE_METRICS)), "purge-revoke");
+    wait_until(Duration::from_secs(90), || mock.output_count() >= 500)
+        .await
+        .expect("progress before the refusals");
+
+    refuse_produces(&mock);
+    // A second member joins: the first revokes two partitions whose results cannot land.
+    let second = WorkerProcess::spawn(&stage(&mock, None));
+    let fence_ran_out = wait_until(Duration::from_secs(90), || {
+        read(&log).contains("still unacknowledged")
+    })
+    .await;
+    let taken = taken_back_soon(REVOKE_METRICS).await;
+    accept_produces(&mock);
+    fence_ran_out.expect("the first member's write fence never ran out");
+    assert!(
+        taken > 0,
+        "the fence ran out and nothing was taken back from the producer:\n{}",
+        read(&log)
+    );
+
+    load.await.unwrap().expect("loadgen");
+    settle_and_verify(&mock, "a revocation's fence ran out under refused produces").await;
+    let _ = std::fs::remove_file(&log);
+    let _ = second.terminate();
+    let _ = first.terminate();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_assignment_with_results_on_their_way_purges_the_producer_and_loses_nothing() {
+    let mock = cluster("purge-lost");
+    let load = load(&mock);
+    let (worker, log) = logged_worker(&stage(&mock, Some(LOST_METRICS)), "purge-lost");
+    wait_until(Duration::from_secs(90), || mock.output_count() >= 500)
+        .await
+        .expect("progress before the refusals");
+
+    refuse_produces(&mock);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // The coordinator forgets the member: its partitions are lost, with results on their way.
+    mock.cluster.request_errors(
+        RDKafkaApiKey::Heartbeat,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN_MEMBER_ID],
+    );
+    let lost = wait_until(Duration::from_secs(60), || {
+        read(&log).contains("partitions lost")
+    })
+    .await;
+    let taken = taken_back_soon(LOST_METRICS).await;
+    accept_produces(&mock);
+    lost.expect("the assignment was never lost");
+    assert!(
+        taken > 0,
+        "partitions lost with results on their way, and nothing was taken back:\n{}",
+        read(&log)
+    );
+
+    load.await.unwrap().expect("loadgen");
+    settle_and_verify(&mock, "an assignment lost under refused produces").await;
+    let _ = std::fs::remove_file(&log);
+    let _ = worker.terminate();
+}
