@@ -172,6 +172,35 @@ pub enum SaslMechanism {
     ScramSha512,
 }
 
+impl KafkaSpec {
+    /// The spec's extra properties plus `security.protocol` and `sasl.mechanisms`: what every
+    /// client of the cluster (the workers, the operator's lag reader) is given, credentials
+    /// and certificate paths aside.
+    pub fn security_properties(&self) -> BTreeMap<String, String> {
+        let mut props = self.properties.clone();
+        let protocol = match (&self.sasl, &self.tls) {
+            (Some(_), Some(_)) => Some("SASL_SSL"),
+            (Some(_), None) => Some("SASL_PLAINTEXT"),
+            (None, Some(_)) => Some("SSL"),
+            (None, None) => None,
+        };
+        if let Some(protocol) = protocol {
+            props.insert("security.protocol".into(), protocol.into());
+        }
+        if let Some(sasl) = &self.sasl {
+            props.insert("sasl.mechanisms".into(), sasl.mechanism.as_str().into());
+        }
+        props
+    }
+
+    /// SASL PLAIN over a connection without TLS, not explicitly allowed by the spec.
+    pub fn insecure_plain(&self) -> bool {
+        self.sasl.as_ref().is_some_and(|s| {
+            s.mechanism == SaslMechanism::Plain && self.tls.is_none() && !s.allow_plain_without_tls
+        })
+    }
+}
+
 impl SaslMechanism {
     /// librdkafka's `sasl.mechanisms` value.
     pub fn as_str(self) -> &'static str {

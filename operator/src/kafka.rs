@@ -29,7 +29,6 @@ use sessionflow_worker::lag::{self, PartitionLag};
 use sessionflow_worker::topics::{self, TopicRequest};
 
 use crate::crd::{KafkaSpec, TopicsSpec};
-use crate::render::security_properties;
 
 const TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -75,7 +74,7 @@ pub async fn credential_secrets(
     namespace: &str,
     kafka: &KafkaSpec,
 ) -> Result<Vec<Secret>, CredentialError> {
-    if insecure_plain(kafka) {
+    if kafka.insecure_plain() {
         return Err(CredentialError::PlainWithoutTls);
     }
     let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
@@ -101,15 +100,6 @@ pub async fn credential_secrets(
     Ok(out)
 }
 
-/// SASL PLAIN over a connection without TLS, not explicitly allowed by the spec.
-pub fn insecure_plain(kafka: &KafkaSpec) -> bool {
-    kafka.sasl.as_ref().is_some_and(|s| {
-        s.mechanism == crate::crd::SaslMechanism::Plain
-            && kafka.tls.is_none()
-            && !s.allow_plain_without_tls
-    })
-}
-
 impl Connection {
     /// Reads the Secrets `kafka` refers to in `namespace` ([`credential_secrets`]) and builds
     /// the connection.
@@ -121,7 +111,7 @@ impl Connection {
         let mut secrets = credential_secrets(client, namespace, kafka)
             .await?
             .into_iter();
-        let mut properties = security_properties(kafka);
+        let mut properties = kafka.security_properties();
         if let Some(sasl) = &kafka.sasl {
             let secret = secrets.next().expect("one Secret per reference");
             properties.insert("sasl.username".into(), entry(&secret, &sasl.username_key)?);

@@ -132,7 +132,7 @@ pub fn plan_with_secrets(
 
 /// What the CRD's rules say about credentials, checked again.
 fn check_security(sp: &SessionPipeline) -> Result<(), SpecError> {
-    if crate::kafka::insecure_plain(&sp.spec.kafka) {
+    if sp.spec.kafka.insecure_plain() {
         return Err(SpecError::new(
             "spec.kafka.sasl.mechanism",
             "SASL PLAIN without TLS sends the password in clear text: add kafka.tls, or set \
@@ -461,7 +461,7 @@ fn to_value<T: Serialize>(v: Option<&T>) -> Result<Option<Value>, serde_json::Er
 /// imply. Credentials stay out: SASL ones arrive as environment variables, TLS files as a
 /// mounted Secret.
 pub fn worker_kafka_properties(kafka: &KafkaSpec) -> BTreeMap<String, String> {
-    let mut props = security_properties(kafka);
+    let mut props = kafka.security_properties();
     if let Some(tls) = &kafka.tls {
         props.insert(
             "ssl.ca.location".into(),
@@ -474,24 +474,6 @@ pub fn worker_kafka_properties(kafka: &KafkaSpec) -> BTreeMap<String, String> {
             );
             props.insert("ssl.key.location".into(), format!("{TLS_DIR}/{key}"));
         }
-    }
-    props
-}
-
-/// The spec's extra properties plus `security.protocol` and `sasl.mechanisms`.
-pub fn security_properties(kafka: &KafkaSpec) -> BTreeMap<String, String> {
-    let mut props = kafka.properties.clone();
-    let protocol = match (&kafka.sasl, &kafka.tls) {
-        (Some(_), Some(_)) => Some("SASL_SSL"),
-        (Some(_), None) => Some("SASL_PLAINTEXT"),
-        (None, Some(_)) => Some("SSL"),
-        (None, None) => None,
-    };
-    if let Some(protocol) = protocol {
-        props.insert("security.protocol".into(), protocol.into());
-    }
-    if let Some(sasl) = &kafka.sasl {
-        props.insert("sasl.mechanisms".into(), sasl.mechanism.as_str().into());
     }
     props
 }

@@ -792,6 +792,32 @@ impl MockKafka {
         }
     }
 
+    /// Two brokers: the input and the group's coordinator on broker 1, the output and the DLQ
+    /// on broker 2, so that a fault of one (an answer slowed, a request refused) leaves the
+    /// other alone.
+    pub fn split(name: &str, partitions: i32) -> Self {
+        let mock = Self::new(name, 2, partitions);
+        let topics = &mock.topics;
+        for p in 0..partitions {
+            mock.cluster
+                .partition_leader(&topics.input, p, Some(1))
+                .expect("input leader");
+            mock.cluster
+                .partition_leader(&topics.output, p, Some(2))
+                .expect("output leader");
+        }
+        mock.cluster
+            .partition_leader(&topics.dlq, 0, Some(2))
+            .expect("DLQ leader");
+        mock.cluster
+            .coordinator(
+                rdkafka::mocking::MockCoordinator::Group(topics.group.clone()),
+                1,
+            )
+            .expect("coordinator");
+        mock
+    }
+
     /// A config file for the worker binary on this cluster (see [`Topics::stage_yaml_on`]).
     pub fn stage_yaml(&self, builtin: &str, extra: &str) -> String {
         self.topics.stage_yaml_on(&self.brokers, builtin, extra)

@@ -113,7 +113,7 @@ mod tests {
             key: Some(b"s"),
             ..Default::default()
         };
-        let source = crate::config::SessionSource::Key;
+        let source = crate::record::SessionSource::Key;
         let lease = Arc::new(Lease::new(0, 0));
         Box::new(InputRecord::new(
             "t".into(),

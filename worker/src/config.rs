@@ -9,12 +9,10 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::Path;
-use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::retry::RetryPolicy;
-use crate::stuck::{StuckAction, StuckPolicy};
+pub use crate::record::SessionSource;
 
 /// One stage of a pipeline, as the worker runs it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -103,42 +101,6 @@ pub struct StageConfig {
     /// Extra librdkafka properties for the consumer and the producers, passed through.
     #[serde(default)]
     pub kafka: BTreeMap<String, String>,
-}
-
-/// Where a record's session id is read from.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(tag = "from", rename_all = "camelCase", deny_unknown_fields)]
-pub enum SessionSource {
-    /// The record key.
-    #[default]
-    Key,
-    /// A record header.
-    Header { name: String },
-}
-
-/// Written by hand: a derived schema of an internally tagged enum repeats the tag in every
-/// variant, which a Kubernetes structural schema cannot express.
-#[cfg(feature = "schema")]
-impl schemars::JsonSchema for SessionSource {
-    fn schema_name() -> std::borrow::Cow<'static, str> {
-        "SessionSource".into()
-    }
-
-    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
-        schemars::json_schema!({
-            "description": "Where a record's session id is read from: the record key (`from: key`) or a header (`from: header`, `name: <header>`).",
-            "type": "object",
-            "properties": {
-                "from": { "type": "string", "enum": ["key", "header"] },
-                "name": { "type": "string", "minLength": 1 }
-            },
-            "required": ["from"],
-            "x-kubernetes-validations": [{
-                "rule": "self.from == 'header' ? has(self.name) : !has(self.name)",
-                "message": "session.name is required with from: header, and only then"
-            }]
-        })
-    }
 }
 
 /// The stage's handler: exactly one of `http` or `builtin`.
@@ -255,18 +217,6 @@ pub enum StuckActionConfig {
     Dlq,
 }
 
-impl From<StuckConfig> for StuckPolicy {
-    fn from(c: StuckConfig) -> Self {
-        StuckPolicy {
-            timeout: Duration::from_millis(c.timeout_ms),
-            action: match c.action {
-                StuckActionConfig::Log => StuckAction::Log,
-                StuckActionConfig::Dlq => StuckAction::DeadLetter,
-            },
-        }
-    }
-}
-
 /// `rebalance:` — the group protocol and how long a revoked partition may drain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
@@ -342,17 +292,6 @@ pub const CLASSIC_ONLY_KAFKA_KEYS: &[&str] = &[
 /// The broker's default `group.consumer.session.timeout.ms` (KIP-848), used when the broker's
 /// own value cannot be read.
 pub const DEFAULT_CONSUMER_SESSION_TIMEOUT_MS: u64 = 45_000;
-
-impl From<RetryConfig> for RetryPolicy {
-    fn from(c: RetryConfig) -> Self {
-        RetryPolicy {
-            initial: Duration::from_millis(c.initial_backoff_ms),
-            max: Duration::from_millis(c.max_backoff_ms),
-            multiplier: c.multiplier,
-            max_attempts: c.max_attempts,
-        }
-    }
-}
 
 /// librdkafka's default `max.poll.interval.ms`.
 pub const DEFAULT_MAX_POLL_INTERVAL_MS: u64 = 300_000;
@@ -695,14 +634,6 @@ impl StageConfig {
             .clone()
             .unwrap_or_else(|| format!("sessionflow-{}", self.stage))
     }
-
-    pub fn retry_policy(&self) -> RetryPolicy {
-        self.retry.into()
-    }
-
-    pub fn stuck_policy(&self) -> StuckPolicy {
-        self.stuck.into()
-    }
 }
 
 /// Environment variable holding the SASL user name (`sasl.username`).
@@ -731,7 +662,10 @@ pub const OWNED_KAFKA_KEYS: &[&str] = &[
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
+    use crate::stuck::{StuckAction, StuckPolicy};
 
     const MINIMAL: &str = "
 brokers: 127.0.0.1:9092
@@ -805,10 +739,10 @@ rebalance: {strategy: eager, drainTimeoutMs: 3000}
                 timeout_ms: 500
             })
         );
-        assert_eq!(c.retry_policy().max_attempts, 4);
+        assert_eq!(crate::retry::RetryPolicy::from(c.retry).max_attempts, 4);
         assert_eq!(c.kafka["fetch.wait.max.ms"], "100");
         assert_eq!(
-            c.stuck_policy(),
+            StuckPolicy::from(c.stuck),
             StuckPolicy {
                 timeout: Duration::from_millis(900),
                 action: StuckAction::DeadLetter

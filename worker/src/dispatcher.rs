@@ -261,7 +261,7 @@ mod tests {
             value: Some(b"v"),
             headers: &headers,
         };
-        let source = crate::config::SessionSource::Key;
+        let source = crate::record::SessionSource::Key;
         let record = InputRecord::new("t".into(), 0, session as i64, parts, &source, lease.clone());
         Box::new(record)
     }

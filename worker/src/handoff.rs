@@ -107,7 +107,7 @@ impl Takeoff {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::SessionSource;
+    use crate::record::SessionSource;
     use crate::record::{Lease, Parts};
 
     fn batch(offsets: std::ops::Range<i64>) -> Batch {

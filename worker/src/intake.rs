@@ -47,7 +47,7 @@ use crate::backpressure::{self, Offer, PendingBuffer};
 use crate::client_settings::ClientSettings;
 use crate::committer::Committer;
 use crate::completion::{Completion, CompletionReceiver};
-use crate::config::{RebalanceStrategy, SessionSource};
+use crate::config::RebalanceStrategy;
 use crate::dlq::DlqReason;
 use crate::handoff::{Batch, Handoff, Refused};
 use crate::health::Health;
@@ -61,6 +61,7 @@ use crate::offsets::{Offset, OffsetError, OffsetTracker, Partition};
 use crate::partition_queues::{self, Doorbell, PartitionQueues};
 use crate::prefetch::Prefetch;
 use crate::producer::StageProducer;
+use crate::record::SessionSource;
 use crate::record::{InputRecord, Lease};
 use crate::routing::SessionRouter;
 use crate::settle::{Outcome, Settler};
@@ -618,12 +619,9 @@ impl IntakeContext {
         if consumer.assignment_lost() {
             leases.iter().for_each(|l| l.revoke());
             // Another member may own them already: what the producer still holds of theirs
-            // must not land after its writes. The purge takes back every queued write; those
-            // of partitions still owned are written again (see `settle`).
-            let in_flight = Book::writes_in_flight(&leases);
+            // must not land after its writes.
+            let in_flight = self.take_back(&leases);
             if in_flight > 0 {
-                self.producer.purge();
-                self.metrics.late_writes.inc_by(in_flight);
                 tracing::warn!(
                     in_flight,
                     ?partitions,
@@ -663,13 +661,11 @@ impl IntakeContext {
             leases.iter().for_each(|l| l.revoke());
             let fence = Instant::now() + self.settings.write_fence_timeout;
             book = drain_writes(book, &leases, fence, self);
-            let late = Book::writes_in_flight(&leases);
+            // The fence waited as long as the group's rebalance allows (the write fence fits
+            // inside max.poll.interval.ms, the rebalance timeout of both protocols): take the
+            // rest back, so nothing queued is sent once the partition moves.
+            let late = self.take_back(&leases);
             if late > 0 {
-                // The fence waited as long as the group's rebalance allows (the write fence
-                // fits inside max.poll.interval.ms, the rebalance timeout of both protocols):
-                // take the rest back, so nothing queued is sent once the partition moves.
-                self.producer.purge();
-                self.metrics.late_writes.inc_by(late);
                 tracing::error!(
                     late,
                     ?partitions,
@@ -695,6 +691,20 @@ impl IntakeContext {
         }
         book.forget(&partitions);
         self.metrics.in_flight.set(book.tracker.in_flight() as i64);
+    }
+
+    /// Takes back from the producer what it still holds, when results of `leases` (partitions
+    /// leaving this worker) are on their way: none may land after the next owner's. The purge
+    /// takes back every queued write, and those of partitions still owned are written again
+    /// (see `settle`). Returns how many of the leaving partitions' results were out (counted
+    /// as late writes).
+    fn take_back(&self, leases: &[Arc<Lease>]) -> u64 {
+        let in_flight = Book::writes_in_flight(leases);
+        if in_flight > 0 {
+            self.producer.purge();
+            self.metrics.late_writes.inc_by(in_flight);
+        }
+        in_flight
     }
 
     /// A rebalance error: librdkafka has dropped partitions (all of them with the eager
@@ -728,11 +738,7 @@ impl IntakeContext {
         }
         book.forget(&dropped);
         // As for a lost assignment: nothing of theirs may land after a new owner's writes.
-        let in_flight = Book::writes_in_flight(&leases);
-        if in_flight > 0 {
-            self.producer.purge();
-            self.metrics.late_writes.inc_by(in_flight);
-        }
+        self.take_back(&leases);
         self.metrics.in_flight.set(book.tracker.in_flight() as i64);
     }
 }

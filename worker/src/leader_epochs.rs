@@ -26,10 +26,11 @@
 
 use std::collections::VecDeque;
 
-use crate::offsets::Offset;
-
 /// A partition leader epoch; [`UNKNOWN`] where the broker reported none.
 pub type Epoch = i32;
+
+/// A Kafka offset (as `offsets::Offset`, which builds on this module).
+type Offset = i64;
 
 /// The epoch of a record whose broker reported none (message format before v2): it compares
 /// below every known epoch, so records without epochs behave as before epochs were read.

@@ -14,9 +14,46 @@ use rdkafka::message::{Headers, OwnedHeaders};
 use rdkafka::Message;
 use smallvec::SmallVec;
 
-use crate::config::SessionSource;
+use serde::{Deserialize, Serialize};
+
 use crate::offsets::{Offset, Partition};
 use crate::topic_name::TopicName;
+
+/// Where a record's session id is read from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(tag = "from", rename_all = "camelCase", deny_unknown_fields)]
+pub enum SessionSource {
+    /// The record key.
+    #[default]
+    Key,
+    /// A record header.
+    Header { name: String },
+}
+
+/// Written by hand: a derived schema of an internally tagged enum repeats the tag in every
+/// variant, which a Kubernetes structural schema cannot express.
+#[cfg(feature = "schema")]
+impl schemars::JsonSchema for SessionSource {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "SessionSource".into()
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "description": "Where a record's session id is read from: the record key (`from: key`) or a header (`from: header`, `name: <header>`).",
+            "type": "object",
+            "properties": {
+                "from": { "type": "string", "enum": ["key", "header"] },
+                "name": { "type": "string", "minLength": 1 }
+            },
+            "required": ["from"],
+            "x-kubernetes-validations": [{
+                "rule": "self.from == 'header' ? has(self.name) : !has(self.name)",
+                "message": "session.name is required with from: header, and only then"
+            }]
+        })
+    }
+}
 
 /// Header names on the wire.
 pub mod header {

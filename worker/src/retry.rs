@@ -7,6 +7,8 @@
 
 use std::time::Duration;
 
+use crate::config::RetryConfig;
+
 /// Retry settings of a stage (`retry:` in the config).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RetryPolicy {
@@ -15,6 +17,17 @@ pub struct RetryPolicy {
     pub multiplier: f64,
     /// Total attempts allowed for one message, first included; 0 retries transient errors forever.
     pub max_attempts: u32,
+}
+
+impl From<RetryConfig> for RetryPolicy {
+    fn from(c: RetryConfig) -> Self {
+        RetryPolicy {
+            initial: Duration::from_millis(c.initial_backoff_ms),
+            max: Duration::from_millis(c.max_backoff_ms),
+            multiplier: c.multiplier,
+            max_attempts: c.max_attempts,
+        }
+    }
 }
 
 impl Default for RetryPolicy {

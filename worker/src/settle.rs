@@ -123,16 +123,8 @@ impl Settler<'_> {
                 Outcome::Output(None) => Ok(()),
                 Outcome::Output(Some(payload)) => {
                     match self.producer.write_output(record, payload, &permit).await {
-                        Ok(()) => Ok(()),
-                        Err(e) if e.is_purged() => {
-                            self.metrics.writes_taken_back.inc();
-                            if self.purged_by_the_fence(record) {
-                                continue;
-                            }
-                            self.producer.release(record);
-                            return Settled::Released;
-                        }
-                        Err(e) => {
+                        // Written, or taken back (purged): settled below, as a dead letter is.
+                        Err(e) if !e.is_purged() => {
                             // After librdkafka's retries: this output will not land. Nothing
                             // of the session's next record exists yet, so the DLQ comes first.
                             self.metrics.produce_errors.inc();
@@ -154,6 +146,7 @@ impl Settler<'_> {
                             };
                             continue;
                         }
+                        written => written,
                     }
                 }
                 Outcome::DeadLetter {
@@ -186,6 +179,7 @@ impl Settler<'_> {
                     return Settled::Released;
                 }
                 Err(e) => {
+                    // Only a dead letter gets here (an output that will not land became one).
                     refusals += 1;
                     self.metrics.dlq_write_errors.inc();
                     blocked.set();
@@ -274,7 +268,7 @@ mod tests {
 
     use super::*;
     use crate::completion::{Completion, CompletionReceiver};
-    use crate::config::SessionSource;
+    use crate::record::SessionSource;
     use crate::record::{Lease, Parts};
 
     /// A stage without an output topic, whose producer never connects.

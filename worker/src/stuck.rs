@@ -12,6 +12,7 @@
 
 use std::time::{Duration, Instant};
 
+use crate::config::{StuckActionConfig, StuckConfig};
 use crate::metrics::Metrics;
 use crate::record::InputRecord;
 
@@ -28,6 +29,18 @@ pub enum StuckAction {
 pub struct StuckPolicy {
     pub timeout: Duration,
     pub action: StuckAction,
+}
+
+impl From<StuckConfig> for StuckPolicy {
+    fn from(c: StuckConfig) -> Self {
+        StuckPolicy {
+            timeout: Duration::from_millis(c.timeout_ms),
+            action: match c.action {
+                StuckActionConfig::Log => StuckAction::Log,
+                StuckActionConfig::Dlq => StuckAction::DeadLetter,
+            },
+        }
+    }
 }
 
 /// The stuck timer of one record.

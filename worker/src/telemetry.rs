@@ -208,8 +208,8 @@ mod tests {
     use tracing_subscriber::layer::SubscriberExt;
 
     use super::*;
-    use crate::config::SessionSource;
     use crate::record::Lease;
+    use crate::record::SessionSource;
 
     fn record(traceparent: Option<&str>) -> InputRecord {
         let mut hs = OwnedHeaders::new();

@@ -91,7 +91,7 @@ pub async fn run<H: Handler>(
 /// Starts a stage in the background.
 pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Result<RunningWorker> {
     config.validate()?;
-    if let crate::config::SessionSource::Header { name } = &config.session {
+    if let crate::record::SessionSource::Header { name } = &config.session {
         // Order is kept per partition's owner: a session whose records carry the header but
         // whose keys differ lands on several partitions, so on several workers at once.
         tracing::warn!(header = %name,
@@ -140,8 +140,8 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
     let session_ctx = Arc::new(SessionContext {
         handler: Arc::new(handler),
         producer: producer.clone(),
-        retry: config.retry_policy(),
-        stuck: config.stuck_policy(),
+        retry: config.retry.into(),
+        stuck: config.stuck.into(),
         metrics: metrics.clone(),
         health: health.clone(),
         abort: abort.clone(),

@@ -18,7 +18,6 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::mocking::MockCoordinator;
 use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use sessionflow_tests::{
@@ -32,9 +31,7 @@ const RECORDS: u64 = 12_000;
 const SILENCE: Duration = Duration::from_secs(12);
 /// How late the output broker's answers come during the silence.
 const SLOW: Duration = Duration::from_secs(2);
-/// The broker of the input and the group.
-const INPUT_BROKER: i32 = 1;
-/// The broker of the output and the DLQ.
+/// The broker of the output and the DLQ ([`MockKafka::split`]).
 const OUTPUT_BROKER: i32 = 2;
 /// After how much silence no write may start: the fence's 4 s (⅔ of the session timeout),
 /// plus a second for the last commit before the silence and the loop's turn.
@@ -42,24 +39,8 @@ const FENCED_AFTER: Duration = Duration::from_secs(5);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_the_coordinator_stops_answering_stops_writing_until_it_answers_again() {
-    let mock = MockKafka::new("fence", 2, PARTITIONS);
+    let mock = MockKafka::split("fence", PARTITIONS);
     let brokers = mock.brokers.clone();
-    let topics = &mock.topics;
-    for p in 0..PARTITIONS {
-        let cluster = &mock.cluster;
-        cluster
-            .partition_leader(&topics.input, p, Some(INPUT_BROKER))
-            .unwrap();
-        cluster
-            .partition_leader(&topics.output, p, Some(OUTPUT_BROKER))
-            .unwrap();
-    }
-    mock.cluster
-        .partition_leader(&topics.dlq, 0, Some(OUTPUT_BROKER))
-        .unwrap();
-    mock.cluster
-        .coordinator(MockCoordinator::Group(topics.group.clone()), INPUT_BROKER)
-        .unwrap();
     let opts = LoadgenOptions {
         choice: SessionChoice::RoundRobin,
         rate: Some(300.0),

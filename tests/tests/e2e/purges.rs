@@ -20,41 +20,15 @@
 
 use std::time::Duration;
 
-use rdkafka::mocking::MockCoordinator;
 use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 use sessionflow_tests::{http_get, wait_committed_to_end_on, wait_until, MockKafka, WorkerProcess};
 use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
 
 const PARTITIONS: i32 = 4;
 const RECORDS: u64 = 6_000;
-/// The broker of the input and the group; the other leads the output and the DLQ.
-const INPUT_BROKER: i32 = 1;
-const OUTPUT_BROKER: i32 = 2;
 /// The metrics endpoints of the workers that must purge (ports of these tests' own).
 const REVOKE_METRICS: u16 = 19480;
 const LOST_METRICS: u16 = 19481;
-
-/// A cluster whose group coordinator and input sit on one broker and whose output sits on
-/// the other, loaded at a steady rate from a task.
-fn cluster(name: &str) -> MockKafka {
-    let mock = MockKafka::new(name, 2, PARTITIONS);
-    let topics = &mock.topics;
-    for p in 0..PARTITIONS {
-        mock.cluster
-            .partition_leader(&topics.input, p, Some(INPUT_BROKER))
-            .unwrap();
-        mock.cluster
-            .partition_leader(&topics.output, p, Some(OUTPUT_BROKER))
-            .unwrap();
-    }
-    mock.cluster
-        .partition_leader(&topics.dlq, 0, Some(OUTPUT_BROKER))
-        .unwrap();
-    mock.cluster
-        .coordinator(MockCoordinator::Group(topics.group.clone()), INPUT_BROKER)
-        .unwrap();
-    mock
-}
 
 fn load(mock: &MockKafka) -> tokio::task::JoinHandle<anyhow::Result<loadgen::LoadgenReport>> {
     let opts = LoadgenOptions {
@@ -153,7 +127,7 @@ async fn settle_and_verify(mock: &MockKafka, what: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revocation_whose_write_fence_runs_out_purges_the_producer_and_loses_nothing() {
-    let mock = cluster("purge-revoke");
+    let mock = MockKafka::split("purge-revoke", PARTITIONS);
     let load = load(&mock);
     let (first, log) = logged_worker(&stage(&mock, Some(REVOKE_METRICS)), "purge-revoke");
     wait_until(Duration::from_secs(90), || mock.output_count() >= 500)
@@ -185,7 +159,7 @@ async fn a_revocation_whose_write_fence_runs_out_purges_the_producer_and_loses_n
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_assignment_with_results_on_their_way_purges_the_producer_and_loses_nothing() {
-    let mock = cluster("purge-lost");
+    let mock = MockKafka::split("purge-lost", PARTITIONS);
     let load = load(&mock);
     let (worker, log) = logged_worker(&stage(&mock, Some(LOST_METRICS)), "purge-lost");
     wait_until(Duration::from_secs(90), || mock.output_count() >= 500)

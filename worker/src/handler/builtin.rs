@@ -92,7 +92,7 @@ mod tests {
             value: Some(value.as_bytes()),
             headers: &[],
         };
-        let source = crate::config::SessionSource::Key;
+        let source = crate::record::SessionSource::Key;
         InputRecord::new(
             "t".into(),
             0,

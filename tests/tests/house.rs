@@ -1,0 +1,193 @@
+//! The house's modules import each other one way: no cycle, in the engine and in the operator.
+//!
+//! A ring of imports (config → stuck → metrics → dlq → record → config in the engine, kafka ↔
+//! render in the operator, as there were) means no module of the ring can be read, tested or
+//! moved without the others. This reads each crate's own sources: a top-level module is a file
+//! of `src/` (or a folder of it, all its files together), an edge is a `crate::<module>` path in
+//! its non-test code, and the test fails on the first cycle it finds, naming it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// Top-level module name → the top-level modules its non-test code names.
+fn module_graph(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
+    let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (module, files) in modules(src) {
+        let edges = graph.entry(module.clone()).or_default();
+        for file in files {
+            let text = std::fs::read_to_string(&file).expect("read a source file");
+            for target in crate_paths(non_test_code(&text)) {
+                if target != module && target != "self" {
+                    edges.insert(target);
+                }
+            }
+        }
+    }
+    let known: BTreeSet<String> = graph.keys().cloned().collect();
+    for edges in graph.values_mut() {
+        edges.retain(|t| known.contains(t));
+    }
+    graph
+}
+
+/// Each top-level module of `src` with its files (`lib.rs` and `main.rs` are roots, not modules).
+fn modules(src: &Path) -> BTreeMap<String, Vec<PathBuf>> {
+    let mut modules: BTreeMap<String, Vec<PathBuf>> = BTreeMap::new();
+    for entry in std::fs::read_dir(src).expect("read src") {
+        let path = entry.expect("dir entry").path();
+        let name = path
+            .file_stem()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default()
+            .to_string();
+        if path.is_dir() {
+            modules.entry(name).or_default().extend(rust_files(&path));
+        } else if path.extension().is_some_and(|e| e == "rs") && name != "lib" && name != "main" {
+            modules.entry(name).or_default().push(path);
+        }
+    }
+    modules
+}
+
+fn rust_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).expect("read a module folder") {
+        let path = entry.expect("dir entry").path();
+        if path.is_dir() {
+            files.extend(rust_files(&path));
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            files.push(path);
+        }
+    }
+    files
+}
+
+/// The file up to its test module (`#[cfg(test)]` followed by `mod`), where tests start.
+fn non_test_code(text: &str) -> &str {
+    let mut at = 0;
+    while let Some(i) = text[at..].find("#[cfg(test)]") {
+        let after = text[at + i + "#[cfg(test)]".len()..].trim_start();
+        if after.starts_with("mod ") {
+            return &text[..at + i];
+        }
+        at += i + 1;
+    }
+    text
+}
+
+/// The first segment of every `crate::` path in `code`, comments left out (a doc link is
+/// not an import).
+fn crate_paths(code: &str) -> impl Iterator<Item = String> + '_ {
+    code.lines()
+        .filter(|line| !line.trim_start().starts_with("//"))
+        .flat_map(|line| {
+            line.match_indices("crate::").filter_map(move |(i, _)| {
+                let name: String = line[i + "crate::".len()..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                name.starts_with(|c: char| c.is_ascii_lowercase())
+                    .then_some(name)
+            })
+        })
+}
+
+/// A cycle of `graph`, as the modules along it, if there is one.
+fn find_cycle(graph: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
+    #[derive(Clone, Copy, PartialEq)]
+    enum Mark {
+        Open,
+        Done,
+    }
+    fn visit(
+        node: &str,
+        graph: &BTreeMap<String, BTreeSet<String>>,
+        marks: &mut BTreeMap<String, Mark>,
+        path: &mut Vec<String>,
+    ) -> Option<Vec<String>> {
+        match marks.get(node) {
+            Some(Mark::Done) => return None,
+            Some(Mark::Open) => {
+                let start = path.iter().position(|n| n == node).unwrap_or(0);
+                let mut cycle = path[start..].to_vec();
+                cycle.push(node.to_string());
+                return Some(cycle);
+            }
+            None => {}
+        }
+        marks.insert(node.to_string(), Mark::Open);
+        path.push(node.to_string());
+        for next in graph.get(node).into_iter().flatten() {
+            if let Some(cycle) = visit(next, graph, marks, path) {
+                return Some(cycle);
+            }
+        }
+        path.pop();
+        marks.insert(node.to_string(), Mark::Done);
+        None
+    }
+    let mut marks = BTreeMap::new();
+    for node in graph.keys() {
+        if let Some(cycle) = visit(node, graph, &mut marks, &mut Vec::new()) {
+            return Some(cycle);
+        }
+    }
+    None
+}
+
+/// Asserts that the crate at `crate_dir` (from the workspace root) has no import cycle.
+fn assert_no_cycle(crate_dir: &str, at_least: usize) {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(crate_dir)
+        .join("src");
+    let graph = module_graph(&src);
+    assert!(
+        graph.len() >= at_least,
+        "modules not found in {}",
+        src.display()
+    );
+    if let Some(cycle) = find_cycle(&graph) {
+        panic!("an import cycle in {crate_dir}: {}", cycle.join(" → "));
+    }
+}
+
+#[test]
+fn the_engine_s_modules_import_each_other_one_way() {
+    assert_no_cycle("worker", 20);
+}
+
+#[test]
+fn the_operator_s_modules_import_each_other_one_way() {
+    assert_no_cycle("operator", 10);
+}
+
+#[test]
+fn a_cycle_is_found_and_test_code_is_not_counted() {
+    let graph: BTreeMap<String, BTreeSet<String>> = [
+        ("config", vec!["record"]),
+        ("record", vec!["offsets"]),
+        ("offsets", vec![]),
+    ]
+    .into_iter()
+    .map(|(m, es)| (m.to_string(), es.into_iter().map(String::from).collect()))
+    .collect();
+    assert_eq!(find_cycle(&graph), None);
+    let mut cyclic = graph.clone();
+    cyclic
+        .get_mut("offsets")
+        .unwrap()
+        .insert("config".to_string());
+    assert_eq!(
+        find_cycle(&cyclic),
+        Some(
+            vec!["config", "record", "offsets", "config"]
+                .into_iter()
+                .map(String::from)
+                .collect()
+        )
+    );
+    let code = "use crate::record::X;\n/// See [`crate::worker::run`].\nfn f() { crate::offsets::g() }\n#[cfg(test)]\nmod tests {\n    use crate::config::Y;\n}\n";
+    let found: Vec<String> = crate_paths(non_test_code(code)).collect();
+    assert_eq!(found, vec!["record", "offsets"]);
+}
