@@ -58,6 +58,16 @@ fn stage(mock: &MockKafka, metrics_port: Option<u16>) -> String {
     format!("{yaml}  max.poll.interval.ms: '15000'\n")
 }
 
+/// Once the worker logging to `log` (metrics on `port`) has said `event` (within 90 s), what
+/// it has taken back from its producer; produces are accepted again either way.
+async fn taken_back_once(mock: &MockKafka, log: &std::path::Path, port: u16, event: &str) -> u64 {
+    let happened = wait_until(Duration::from_secs(90), || read(log).contains(event)).await;
+    let taken = taken_back_soon(port).await;
+    accept_produces(mock);
+    happened.unwrap_or_else(|()| panic!("the worker never said \"{event}\":\n{}", read(log)));
+    taken
+}
+
 /// [`taken_back`], read until it is not 0 or for two seconds: the purge answers every queued
 /// delivery at once, and each is counted when its session sees the answer.
 async fn taken_back_soon(port: u16) -> u64 {
@@ -137,13 +147,7 @@ async fn a_revocation_whose_write_fence_runs_out_purges_the_producer_and_loses_n
     refuse_produces(&mock);
     // A second member joins: the first revokes two partitions whose results cannot land.
     let second = WorkerProcess::spawn(&stage(&mock, None));
-    let fence_ran_out = wait_until(Duration::from_secs(90), || {
-        read(&log).contains("still unacknowledged")
-    })
-    .await;
-    let taken = taken_back_soon(REVOKE_METRICS).await;
-    accept_produces(&mock);
-    fence_ran_out.expect("the first member's write fence never ran out");
+    let taken = taken_back_once(&mock, &log, REVOKE_METRICS, "still unacknowledged").await;
     assert!(
         taken > 0,
         "the fence ran out and nothing was taken back from the producer:\n{}",
@@ -173,13 +177,7 @@ async fn a_lost_assignment_with_results_on_their_way_purges_the_producer_and_los
         RDKafkaApiKey::Heartbeat,
         &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN_MEMBER_ID],
     );
-    let lost = wait_until(Duration::from_secs(60), || {
-        read(&log).contains("partitions lost")
-    })
-    .await;
-    let taken = taken_back_soon(LOST_METRICS).await;
-    accept_produces(&mock);
-    lost.expect("the assignment was never lost");
+    let taken = taken_back_once(&mock, &log, LOST_METRICS, "partitions lost").await;
     assert!(
         taken > 0,
         "partitions lost with results on their way, and nothing was taken back:\n{}",
