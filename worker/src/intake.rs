@@ -168,7 +168,8 @@ struct PartitionState {
     /// the watermark catches up.
     map_overflow: bool,
     /// Rewound (see [`IntakeLoop::rewind`]) after a rewritten record at this offset: records
-    /// above it are what was left of the fetch before the rewind, until the refetch starts.
+    /// above it are what was left of the fetch before the rewind, dropped until the refetch
+    /// starts (a record at or below it). `Offset::MIN` after a failed seek: nothing more.
     rewound_at: Option<Offset>,
 }
 
@@ -1213,10 +1214,18 @@ impl IntakeLoop {
             KafkaOffset::Offset(from),
             Duration::from_secs(10),
         ) {
-            // librdkafka fetches from `at` then, above `from`: the records between were in
-            // flight here and are given up — the next owner (after a restart or a
-            // rebalance) replays them from the committed offset, never above `from`.
-            tracing::error!(error = %e, partition, from, "seek after a log truncation failed");
+            // librdkafka would go on from `at`, and the records from `from` up to it, given up
+            // above, would never be processed here. Take nothing more from the partition (its
+            // fresh books stay empty, so no commit passes `from`) and stop loudly: the restart
+            // replays from the committed offset, which is at most `from`.
+            if let Some(state) = book.partitions.get_mut(&partition) {
+                state.rewound_at = Some(Offset::MIN);
+            }
+            ctx.metrics.fatal_errors.inc();
+            ctx.health.fail();
+            tracing::error!(error = %e, partition, from,
+                "seek after a log truncation failed: the worker stops (the restart replays)");
+            self.tokens.fatal.cancel();
         }
     }
 
@@ -1230,11 +1239,13 @@ impl IntakeLoop {
         let Some(state) = book.partitions.get_mut(&partition) else {
             return; // a late record of a partition no longer assigned here
         };
-        if state.rewound_at.is_some_and(|at| offset > at) {
-            // The rest of a fetch from before a rewind: fetched again from the rewind's start.
-            return;
+        if let Some(at) = state.rewound_at {
+            if offset > at {
+                // The rest of a fetch from before a rewind: fetched again from its start.
+                return;
+            }
+            state.rewound_at = None;
         }
-        state.rewound_at = None;
         match book.tracker.begin(partition, offset, epoch) {
             Ok(()) => {}
             Err(OffsetError::Rewritten { .. }) => {

@@ -135,57 +135,85 @@ async fn settle_and_verify(mock: &MockKafka, what: &str) {
     );
 }
 
+/// One worker (metrics on `port`, logging to a file) on a split mock, loaded, past its first
+/// 500 outputs, with every Produce refused from then on: its results stay in its producer.
+struct Refused {
+    mock: MockKafka,
+    load: tokio::task::JoinHandle<anyhow::Result<loadgen::LoadgenReport>>,
+    worker: WorkerProcess,
+    log: std::path::PathBuf,
+    port: u16,
+}
+
+impl Refused {
+    async fn start(name: &str, port: u16) -> Self {
+        let mock = MockKafka::split(name, PARTITIONS);
+        let load = load(&mock);
+        let (worker, log) = logged_worker(&stage(&mock, Some(port)), name);
+        wait_until(Duration::from_secs(90), || mock.output_count() >= 500)
+            .await
+            .expect("progress before the refusals");
+        refuse_produces(&mock);
+        Self {
+            mock,
+            load,
+            worker,
+            log,
+            port,
+        }
+    }
+
+    /// Once the worker has said `event`, asserts it took writes back (`what` names the case)
+    /// and accepts produces again.
+    async fn assert_taken_back_at(&self, event: &str, what: &str) {
+        let taken = taken_back_once(&self.mock, &self.log, self.port, event).await;
+        assert!(
+            taken > 0,
+            "{what}, and nothing was taken back:\n{}",
+            read(&self.log)
+        );
+    }
+
+    /// After the load: everything committed, nothing lost, in order; the workers stopped.
+    async fn finish(self, what: &str, others: Vec<WorkerProcess>) {
+        self.load.await.unwrap().expect("loadgen");
+        settle_and_verify(&self.mock, what).await;
+        let _ = std::fs::remove_file(&self.log);
+        for w in others {
+            let _ = w.terminate();
+        }
+        let _ = self.worker.terminate();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revocation_whose_write_fence_runs_out_purges_the_producer_and_loses_nothing() {
-    let mock = MockKafka::split("purge-revoke", PARTITIONS);
-    let load = load(&mock);
-    let (first, log) = logged_worker(&stage(&mock, Some(REVOKE_METRICS)), "purge-revoke");
-    wait_until(Duration::from_secs(90), || mock.output_count() >= 500)
-        .await
-        .expect("progress before the refusals");
-
-    refuse_produces(&mock);
+    let run = Refused::start("purge-revoke", REVOKE_METRICS).await;
     // A second member joins: the first revokes two partitions whose results cannot land.
-    let second = WorkerProcess::spawn(&stage(&mock, None));
-    let taken = taken_back_once(&mock, &log, REVOKE_METRICS, "still unacknowledged").await;
-    assert!(
-        taken > 0,
-        "the fence ran out and nothing was taken back from the producer:\n{}",
-        read(&log)
-    );
-
-    load.await.unwrap().expect("loadgen");
-    settle_and_verify(&mock, "a revocation's fence ran out under refused produces").await;
-    let _ = std::fs::remove_file(&log);
-    let _ = second.terminate();
-    let _ = first.terminate();
+    let second = WorkerProcess::spawn(&stage(&run.mock, None));
+    run.assert_taken_back_at("still unacknowledged", "the fence ran out")
+        .await;
+    run.finish(
+        "a revocation's fence ran out under refused produces",
+        vec![second],
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_assignment_with_results_on_their_way_purges_the_producer_and_loses_nothing() {
-    let mock = MockKafka::split("purge-lost", PARTITIONS);
-    let load = load(&mock);
-    let (worker, log) = logged_worker(&stage(&mock, Some(LOST_METRICS)), "purge-lost");
-    wait_until(Duration::from_secs(90), || mock.output_count() >= 500)
-        .await
-        .expect("progress before the refusals");
-
-    refuse_produces(&mock);
+    let run = Refused::start("purge-lost", LOST_METRICS).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     // The coordinator forgets the member: its partitions are lost, with results on their way.
-    mock.cluster.request_errors(
+    run.mock.cluster.request_errors(
         RDKafkaApiKey::Heartbeat,
         &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN_MEMBER_ID],
     );
-    let taken = taken_back_once(&mock, &log, LOST_METRICS, "partitions lost").await;
-    assert!(
-        taken > 0,
-        "partitions lost with results on their way, and nothing was taken back:\n{}",
-        read(&log)
-    );
-
-    load.await.unwrap().expect("loadgen");
-    settle_and_verify(&mock, "an assignment lost under refused produces").await;
-    let _ = std::fs::remove_file(&log);
-    let _ = worker.terminate();
+    run.assert_taken_back_at(
+        "partitions lost",
+        "partitions lost with results on their way",
+    )
+    .await;
+    run.finish("an assignment lost under refused produces", vec![])
+        .await;
 }
