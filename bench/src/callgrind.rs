@@ -136,7 +136,7 @@ pub async fn run(args: WorkloadArgs) -> anyhow::Result<()> {
     let started = Instant::now();
     let running = systems::start(args.system, &settings, core.clone()).await?;
     if args.spans {
-        sessionflow_worker::telemetry::set_every_record_span(true);
+        sessionflow_worker::ops::telemetry::set_every_record_span(true);
     }
     let from = (args.records / 10).max(1);
     wait_for(|| handled() >= from).await;

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use rand::Rng;
 use serde::{Deserialize, Serialize};
-use sessionflow_worker::retry::RetryPolicy;
+use sessionflow_worker::session::retry::RetryPolicy;
 
 use crate::measurement::{now_us, Histogram, OrderCheck};
 use crate::workload::RecordView;

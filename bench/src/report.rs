@@ -543,7 +543,7 @@ pub fn markdown(
         crate::systems::PREFETCH_KBYTES,
         sessionflow_worker::config::defaults::prefetch_kbytes(),
         sessionflow_worker::config::defaults::prefetch_records(),
-        sessionflow_worker::prefetch::FETCH_QUEUE_BACKOFF_MS,
+        sessionflow_worker::intake::prefetch::FETCH_QUEUE_BACKOFF_MS,
         if (env.scale - 1.0).abs() > f64::EPSILON {
             format!(
                 "- **scaled run** (`--scale {}`): not the full-size benchmark\n",

@@ -124,7 +124,7 @@ pub async fn child(spec: RunSpec) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(spec.settings.session_idle_ms)).await;
         memory = Some(Memory {
             baseline_rss: rss().now,
-            baseline_metadata: sessionflow_worker::memory::metadata_bytes(),
+            baseline_metadata: sessionflow_worker::ops::memory::metadata_bytes(),
             ..Default::default()
         });
     }
@@ -205,8 +205,8 @@ pub async fn child(spec: RunSpec) -> anyhow::Result<()> {
         m.after_reap_rss = rss().now;
         m.peak_rss = peak.max(peak_rss.load(Ordering::Acquire));
         m.peak_sessions = peak_sessions.load(Ordering::Acquire);
-        m.live_heap = sessionflow_worker::memory::allocated_bytes();
-        m.after_reap_metadata = sessionflow_worker::memory::metadata_bytes();
+        m.live_heap = sessionflow_worker::ops::memory::allocated_bytes();
+        m.after_reap_metadata = sessionflow_worker::ops::memory::metadata_bytes();
     }
     sampling.cancel();
 

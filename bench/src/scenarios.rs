@@ -13,8 +13,8 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
+use sessionflow_worker::kafka::topics;
 use sessionflow_worker::loadgen::SessionChoice;
-use sessionflow_worker::topics;
 
 use crate::handler::HandlerSpec;
 use crate::measurement::{now_us, process_cpu_seconds};

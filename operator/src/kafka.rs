@@ -24,9 +24,9 @@ use rdkafka::admin::AdminClient;
 use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::BaseConsumer;
-use sessionflow_worker::client_settings::ClientSettings;
-use sessionflow_worker::lag::{self, PartitionLag};
-use sessionflow_worker::topics::{self, TopicRequest};
+use sessionflow_worker::commit::lag::{self, PartitionLag};
+use sessionflow_worker::kafka::client_settings::ClientSettings;
+use sessionflow_worker::kafka::topics::{self, TopicRequest};
 
 use crate::crd::{KafkaSpec, TopicsSpec};
 

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts};
-use sessionflow_worker::metrics::MetricsRegistry;
+use sessionflow_worker::ops::metrics::MetricsRegistry;
 
 const STAGE: &[&str] = &["namespace", "pipeline", "stage"];
 

@@ -33,7 +33,7 @@ use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::reflector::Store;
 use kube::{Client, Resource, ResourceExt};
 use serde_json::json;
-use sessionflow_worker::lag;
+use sessionflow_worker::commit::lag;
 use tokio::sync::Notify;
 
 use crate::autoscale::{self, Decision, History, Policy, Signal};

@@ -44,14 +44,15 @@ pub use sessionflow_worker::config::{
 };
 
 /// `/healthz` turns 503 when the consumer loop has not turned for this long.
-pub const LIVENESS_STALE_MS: u64 = sessionflow_worker::health::LIVENESS_LIMIT.as_millis() as u64;
+pub const LIVENESS_STALE_MS: u64 =
+    sessionflow_worker::ops::health::LIVENESS_LIMIT.as_millis() as u64;
 /// `periodSeconds` of the liveness probe the operator renders.
 pub const LIVENESS_PERIOD_SECONDS: i32 = 10;
 /// `failureThreshold` of the liveness probe the operator renders.
 pub const LIVENESS_FAILURE_THRESHOLD: i32 = 3;
 /// The worker's `CLOSE_GRACE`: after the consumer loop ends it waits up to this long for its
 /// session tasks, then up to this long again for the producer's acknowledgements.
-pub const CLOSE_GRACE_MS: u64 = sessionflow_worker::worker::CLOSE_GRACE.as_millis() as u64;
+pub const CLOSE_GRACE_MS: u64 = sessionflow_worker::stage::CLOSE_GRACE.as_millis() as u64;
 /// Room in the grace period beyond the worker's own deadlines: the unsubscribe (≤ 0.5 s), the
 /// lag reader's last read (≤ 5 s), process exit.
 pub const GRACE_SLACK_MS: u64 = 10_000;

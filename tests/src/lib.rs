@@ -59,19 +59,21 @@ impl Topics {
             dlq: unique(&format!("{name}-dlq")),
             group: unique(&format!("{name}-group")),
         };
-        sessionflow_worker::topics::create(&brokers(), &[&t.input, &t.output], partitions)
+        sessionflow_worker::kafka::topics::create(&brokers(), &[&t.input, &t.output], partitions)
             .await
             .expect("create topics");
-        sessionflow_worker::topics::create(&brokers(), &[&t.dlq], 1)
+        sessionflow_worker::kafka::topics::create(&brokers(), &[&t.dlq], 1)
             .await
             .expect("create DLQ topic");
         t
     }
 
     pub async fn delete(self) {
-        let _ =
-            sessionflow_worker::topics::delete(&brokers(), &[&self.input, &self.output, &self.dlq])
-                .await;
+        let _ = sessionflow_worker::kafka::topics::delete(
+            &brokers(),
+            &[&self.input, &self.output, &self.dlq],
+        )
+        .await;
     }
 
     /// A stage from input to output with test-friendly timings.
@@ -141,13 +143,15 @@ impl Topics {
 /// Installs the worker's telemetry (logs only with `SESSIONFLOW_TEST_LOG` set, through
 /// `RUST_LOG`; the OpenTelemetry layer always) once for the test process.
 pub fn init_telemetry() {
-    static TELEMETRY: std::sync::OnceLock<sessionflow_worker::telemetry::Telemetry> =
+    static TELEMETRY: std::sync::OnceLock<sessionflow_worker::ops::telemetry::Telemetry> =
         std::sync::OnceLock::new();
     TELEMETRY.get_or_init(|| {
         if std::env::var_os("SESSIONFLOW_TEST_LOG").is_none() {
             std::env::set_var("RUST_LOG", "off");
         }
-        sessionflow_worker::telemetry::init(sessionflow_worker::telemetry::LogFormat::Text)
+        sessionflow_worker::ops::telemetry::init(
+            sessionflow_worker::ops::telemetry::LogFormat::Text,
+        )
     });
 }
 
@@ -287,7 +291,7 @@ impl RecordingHandler {
     /// Passes every record through, failing transiently on a deterministic `rate` of attempts.
     pub fn flaky(rate: f64) -> Self {
         Self::new(move |session, seq, attempt| {
-            let h = sessionflow_worker::routing::stable_hash(
+            let h = sessionflow_worker::record::session_id::stable_hash(
                 format!("{session}/{seq}/{attempt}").as_bytes(),
             )
             .wrapping_mul(0x9e37_79b9_7f4a_7c15);
@@ -399,7 +403,7 @@ impl Drop for Inside<'_> {
 }
 
 /// The ordering watchdog's count (`sessionflow_order_violations_total`, intake + handler).
-pub fn order_violations(metrics: &sessionflow_worker::metrics::Metrics) -> u64 {
+pub fn order_violations(metrics: &sessionflow_worker::ops::metrics::Metrics) -> u64 {
     ["intake", "handler"]
         .iter()
         .map(|at| metrics.order_violations.with_label_values(&[at]).get())

@@ -665,7 +665,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::stuck::{StuckAction, StuckPolicy};
+    use crate::session::stuck::{StuckAction, StuckPolicy};
 
     const MINIMAL: &str = "
 brokers: 127.0.0.1:9092
@@ -739,7 +739,10 @@ rebalance: {strategy: eager, drainTimeoutMs: 3000}
                 timeout_ms: 500
             })
         );
-        assert_eq!(crate::retry::RetryPolicy::from(c.retry).max_attempts, 4);
+        assert_eq!(
+            crate::session::retry::RetryPolicy::from(c.retry).max_attempts,
+            4
+        );
         assert_eq!(c.kafka["fetch.wait.max.ms"], "100");
         assert_eq!(
             StuckPolicy::from(c.stuck),

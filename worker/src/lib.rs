@@ -1,60 +1,48 @@
 //! sessionflow-worker: a Kafka stage that keeps per-session order while sessions run in
 //! parallel.
 //!
-//! A record's path: the consumer loop ([`intake`]) takes it in a burst from its partition's
-//! queue ([`partition_queues`], [`fetched`]) into a [`record`], tracks its offset
-//! ([`offsets`], with the leader epoch it was read at: [`leader_epochs`], [`kafka_epoch`])
-//! and hashes its session onto a dispatcher ([`routing`]), to which it hands the
-//! turn's records as one batch ([`handoff`], [`dispatcher`]), parking them when the
-//! dispatcher is full ([`backpressure`]); the
-//! session's own task ([`session`]) runs the [`handler`], retrying in place ([`retry`]); the
-//! [`producer`] writes the output or the dead letter ([`dlq`]) and reports the record done
-//! ([`completion`]), and the consumer loop commits the contiguous watermark.
+//! Where each path lives:
+//!
+//! - **A record**, in the order it meets the engine: the consumer loop ([`intake`], one thread)
+//!   takes it in a burst from its partition's queue (`intake::partition_queues`,
+//!   `intake::fetched`) into a [`record`], tracks its offset and the leader epoch it was read
+//!   at (`commit::offsets`, `commit::leader_epochs`), and hashes its session onto a dispatcher
+//!   ([`dispatch`]: `routing`, `handoff`, `dispatcher`, `backpressure`). The session's own task
+//!   ([`session`]: `task`, `mailbox`) runs the [`handler`]; the result is written by the
+//!   [`output`] producer (or as a dead letter, `output::dlq`) and settled
+//!   (`session::settle`); the record comes back done over `commit::completion`.
+//! - **A retry**: in place, the same record, in its session's task (`session::retry`,
+//!   `session::stuck` for a handler that never returns).
+//! - **A commit**: the consumer loop commits each partition's contiguous watermark, with the
+//!   completed-offset map in the metadata ([`commit`]: `offsets`, `offset_map`, `committer`).
+//! - **A rebalance**: `intake::rebalance` (assign, revoke and drain, lost), on the books of
+//!   `intake::book`; no write while the coordinator may have given us up ([`group`]).
+//! - **A shutdown**: `intake::shutdown` (drain, final commit, leave the group), started by
+//!   [`stage`], which wires the pieces together.
+//! - **Around them**: the stage's [`config`], the Kafka clients' settings and topics
+//!   ([`kafka`]), metrics, health, logs and memory ([`ops`]).
+//!
+//! Modules import one way: [`record`] and [`config`] at the bottom, [`stage`] on top
+//! (`tests/tests/house.rs` checks that no two modules import each other).
 
-pub mod backpressure;
-pub mod client_settings;
-pub mod committer;
-pub mod completion;
+pub mod commit;
 pub mod config;
 pub mod demo;
-pub mod dispatcher;
-pub mod dlq;
-pub mod fetched;
+pub mod dispatch;
+pub mod group;
 pub mod handler;
-pub mod handoff;
-pub mod health;
 pub mod intake;
-pub mod kafka_epoch;
-pub mod lag;
-pub mod leader_epochs;
+pub mod kafka;
 pub mod loadgen;
-pub mod mailbox;
-pub mod membership;
-pub mod memory;
-pub mod metrics;
-pub mod offset_map;
-pub mod offsets;
-pub mod partition_queues;
-pub mod prefetch;
-pub mod producer;
+pub mod ops;
+pub mod output;
 pub mod record;
 pub mod replay;
-pub mod retry;
-pub mod routing;
 pub mod session;
-pub mod session_id;
-pub mod session_timeout;
-pub mod settle;
-pub mod signal;
-pub mod stuck;
-pub mod telemetry;
-pub mod topic_name;
-pub mod topics;
+pub mod stage;
 pub mod verify;
-pub mod watchdog;
-pub mod worker;
 
 pub use config::StageConfig;
 pub use handler::{Handler, HandlerError, HandlerResult};
 pub use record::InputRecord;
-pub use worker::{run, start, RunningWorker};
+pub use stage::{run, start, RunningWorker};

@@ -16,7 +16,7 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
-use crate::client_settings::ClientSettings;
+use crate::kafka::client_settings::ClientSettings;
 use crate::record::header;
 
 /// How sessions are picked for each record.

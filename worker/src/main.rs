@@ -10,15 +10,16 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
-use sessionflow_worker::client_settings::ClientSettings;
+use sessionflow_worker::commit::lag;
 use sessionflow_worker::demo::{self, DemoOptions};
 use sessionflow_worker::handler::ConfiguredHandler;
-use sessionflow_worker::lag;
+use sessionflow_worker::kafka::client_settings::ClientSettings;
+use sessionflow_worker::kafka::topics;
 use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
+use sessionflow_worker::ops::telemetry::{self, LogFormat};
 use sessionflow_worker::replay;
-use sessionflow_worker::telemetry::{self, LogFormat};
 use sessionflow_worker::verify::{self, VerifyOptions};
-use sessionflow_worker::{topics, StageConfig};
+use sessionflow_worker::StageConfig;
 
 #[derive(Parser)]
 #[command(

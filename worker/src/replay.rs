@@ -19,8 +19,8 @@ use std::time::Duration;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
-use crate::client_settings::ClientSettings;
-use crate::dlq;
+use crate::kafka::client_settings::ClientSettings;
+use crate::output::dlq;
 use crate::record::header;
 use crate::verify::{self, SeqRecord};
 

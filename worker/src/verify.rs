@@ -17,7 +17,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Headers;
 use rdkafka::{Message, Offset, TopicPartitionList};
 
-use crate::client_settings::ClientSettings;
+use crate::kafka::client_settings::ClientSettings;
 use crate::record::header;
 
 /// One record as `verify` sees it.

@@ -16,7 +16,7 @@ use std::time::Duration;
 use futures::FutureExt;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::Message;
-use sessionflow_worker::partition_queues::{detach_before_assign, PartitionQueues};
+use sessionflow_worker::intake::partition_queues::{detach_before_assign, PartitionQueues};
 
 use super::{baseline_consumer, Running, SystemSettings};
 use crate::handler::Core;

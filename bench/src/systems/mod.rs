@@ -28,7 +28,7 @@ use futures::future::BoxFuture;
 use rdkafka::config::ClientConfig;
 use rdkafka::{Offset, TopicPartitionList};
 use serde::{Deserialize, Serialize};
-use sessionflow_worker::retry::RetryPolicy;
+use sessionflow_worker::session::retry::RetryPolicy;
 
 use crate::handler::Core;
 
@@ -198,7 +198,7 @@ pub fn baseline_consumer(settings: &SystemSettings, auto_commit: bool) -> Client
 /// these, at ~640k with ~135 MiB (see the notes).
 pub fn baseline_queue_settings(partitions: i32) -> [(&'static str, String); 2] {
     use sessionflow_worker::config::defaults;
-    use sessionflow_worker::prefetch::{Prefetch, FETCH_QUEUE_BACKOFF_MS};
+    use sessionflow_worker::intake::prefetch::{Prefetch, FETCH_QUEUE_BACKOFF_MS};
     // The engine's own share, as its consumer gets it for this many partitions.
     let engine = Prefetch::new(
         defaults::prefetch_kbytes(),

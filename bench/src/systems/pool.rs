@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 use futures::FutureExt;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::{Message, Offset, TopicPartitionList};
-use sessionflow_worker::offsets::OffsetTracker;
-use sessionflow_worker::routing::SessionRouter;
+use sessionflow_worker::commit::offsets::OffsetTracker;
+use sessionflow_worker::dispatch::routing::SessionRouter;
 use tokio::sync::mpsc;
 
 use super::{baseline_consumer, Running, SystemSettings};
@@ -68,7 +68,7 @@ pub fn start(settings: &SystemSettings, core: Arc<Core>) -> anyhow::Result<Runni
                             let _ = tracker.begin(
                                 p,
                                 offset,
-                                sessionflow_worker::leader_epochs::UNKNOWN,
+                                sessionflow_worker::commit::leader_epochs::UNKNOWN,
                             );
                             match view {
                                 Some(v) if !v.warmup => {

@@ -107,7 +107,9 @@ pub async fn start(settings: &SystemSettings, core: Arc<Core>) -> anyhow::Result
         if std::env::var_os("RUST_LOG").is_none() {
             std::env::set_var("RUST_LOG", "warn");
         }
-        sessionflow_worker::telemetry::init(sessionflow_worker::telemetry::LogFormat::Text)
+        sessionflow_worker::ops::telemetry::init(
+            sessionflow_worker::ops::telemetry::LogFormat::Text,
+        )
     });
     let handler = BenchHandler {
         core,

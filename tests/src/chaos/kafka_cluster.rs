@@ -23,7 +23,7 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use serde_json::json;
-use sessionflow_worker::topics::{create_missing, TopicRequest};
+use sessionflow_worker::kafka::topics::{create_missing, TopicRequest};
 
 use crate::cluster::RunTopics;
 use crate::schedule::BROKERS;

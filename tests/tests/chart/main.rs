@@ -81,7 +81,7 @@ fn metric_names(text: &str) -> BTreeSet<String> {
 /// What the worker and the operator export, and which of those are histograms (a histogram
 /// shows its `# TYPE` only once it has a series, so one is observed in each here).
 fn exported() -> (BTreeSet<String>, BTreeSet<String>) {
-    let worker = sessionflow_worker::metrics::Metrics::new("x");
+    let worker = sessionflow_worker::ops::metrics::Metrics::new("x");
     let operator = sessionflow_operator::metrics::Metrics::new();
     let names: BTreeSet<String> = worker.names().into_iter().chain(operator.names()).collect();
     worker

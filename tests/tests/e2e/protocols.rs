@@ -6,9 +6,9 @@
 use std::time::Duration;
 
 use sessionflow_tests::{brokers, builtin, Topics};
-use sessionflow_worker::client_settings::ClientSettings;
 use sessionflow_worker::config::RebalanceStrategy;
-use sessionflow_worker::session_timeout;
+use sessionflow_worker::group::session_timeout;
+use sessionflow_worker::kafka::client_settings::ClientSettings;
 
 /// scripts/kafka.sh sets the broker's `group.consumer.session.timeout.ms` to 6 s, far from
 /// Kafka's default of 45 s: a fence that assumed the default would let a dropped member write

@@ -14,8 +14,8 @@ use sessionflow_operator::kafka::Connection;
 use sessionflow_tests::{
     http_get, unique, wait_until, worker_binary, ScriptCluster, WorkerProcess,
 };
-use sessionflow_worker::client_settings::ClientSettings;
-use sessionflow_worker::lag;
+use sessionflow_worker::commit::lag;
+use sessionflow_worker::kafka::client_settings::ClientSettings;
 use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
 
 /// Ports of this test's cluster: 19440 … 19443 (the test broker uses 9092 …, chaos 19300 …).

@@ -94,7 +94,7 @@ impl sessionflow_worker::Handler for TracingHandler {
     ) -> sessionflow_worker::HandlerResult {
         if let (Some(seq), Some(tp)) = (
             record.seq(),
-            sessionflow_worker::telemetry::traceparent(record),
+            sessionflow_worker::ops::telemetry::traceparent(record),
         ) {
             self.seen.lock().unwrap().insert(seq, tp);
         }

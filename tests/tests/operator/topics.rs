@@ -8,7 +8,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use sessionflow_operator::crd::{TopicSpec, TopicsSpec};
 use sessionflow_operator::kafka::Connection;
 use sessionflow_tests::{brokers, unique};
-use sessionflow_worker::topics;
+use sessionflow_worker::kafka::topics;
 
 fn partitions(topic: &str) -> usize {
     let c: BaseConsumer = ClientConfig::new()

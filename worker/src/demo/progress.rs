@@ -18,7 +18,7 @@ use super::pipeline::Pipeline;
 use super::scrape::{Scraper, StageSnapshot};
 use super::stages::StageProcesses;
 use super::TICK;
-use crate::lag;
+use crate::commit::lag;
 use crate::loadgen;
 
 /// How often a progress line is printed when stderr is not a terminal.

@@ -8,8 +8,8 @@
 use std::time::Duration;
 
 use crate::config::BuiltinHandlerConfig;
+use crate::record::session_id::stable_hash;
 use crate::record::InputRecord;
-use crate::routing::stable_hash;
 
 use super::{HandlerError, HandlerResult};
 

@@ -70,7 +70,7 @@ impl HttpHandler {
         set(header::SESSION, &record.session_str());
         set(header::EVENT_ID, &record.event_id());
         set(header::ATTEMPT, &attempt.to_string());
-        if let Some(tp) = crate::telemetry::traceparent(record) {
+        if let Some(tp) = crate::ops::telemetry::traceparent(record) {
             set(header::TRACEPARENT, &tp);
         }
         map

@@ -7,7 +7,7 @@
 //!
 //! Two handlers ship with the worker image — [`http::HttpHandler`] and
 //! [`builtin::BuiltinHandler`] — and Rust users implement [`Handler`] and call
-//! [`crate::worker::run`] from their own binary.
+//! [`crate::stage::run`] from their own binary.
 
 pub mod builtin;
 pub mod http;

@@ -15,8 +15,8 @@ use rdkafka::bindings::{
 use rdkafka::message::BorrowedMessage;
 use rdkafka::TopicPartitionList;
 
-use crate::fetched::FetchedMessage;
-use crate::leader_epochs::Epoch;
+use crate::commit::leader_epochs::Epoch;
+use crate::intake::fetched::FetchedMessage;
 
 /// The leader epoch a record was read at; -1 where the broker reported none.
 pub trait ReadAtEpoch {

@@ -15,17 +15,17 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::{CancellationToken, DropGuard};
 use tokio_util::task::TaskTracker;
 
-use crate::completion;
+use crate::commit::completion;
+use crate::commit::lag::{Assigned, LagReporter};
 use crate::config::StageConfig;
-use crate::dispatcher::Dispatcher;
+use crate::dispatch::dispatcher::Dispatcher;
 use crate::handler::Handler;
-use crate::health::{self, Health};
+use crate::intake::prefetch::{self, Prefetch};
 use crate::intake::{consumer_config, IntakeLoop, IntakeSettings, IntakeTokens};
-use crate::lag::{Assigned, LagReporter};
-use crate::metrics::Metrics;
-use crate::prefetch::{self, Prefetch};
-use crate::producer::{producer_config, ProducerEvents, StageProducer};
-use crate::session::SessionContext;
+use crate::ops::health::{self, Health};
+use crate::ops::metrics::Metrics;
+use crate::output::producer::{producer_config, ProducerEvents, StageProducer};
+use crate::session::task::SessionContext;
 
 /// How long, after the consumer loop ends, session tasks and acknowledgements get to finish.
 pub const CLOSE_GRACE: Duration = Duration::from_secs(10);
@@ -68,7 +68,7 @@ impl RunningWorker {
     /// `rd_kafka_test_fatal_error`).
     pub fn producer_client(
         &self,
-    ) -> &rdkafka::producer::FutureProducer<crate::producer::ProducerEvents> {
+    ) -> &rdkafka::producer::FutureProducer<crate::output::producer::ProducerEvents> {
         self.producer.client()
     }
 }
@@ -150,7 +150,7 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
     let idle = Duration::from_millis(config.session_idle_ms);
     let senders: Vec<_> = (0..config.dispatchers)
         .map(|_| {
-            let (tx, rx) = crate::handoff::handoff(config.dispatcher_capacity);
+            let (tx, rx) = crate::dispatch::handoff::handoff(config.dispatcher_capacity);
             sessions.spawn(Dispatcher::new(rx, session_ctx.clone(), idle, sessions.clone()).run());
             tx
         })
@@ -183,9 +183,9 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         shutdown_fence_timeout: Duration::from_millis(config.shutdown_fence_ms()),
         shutdown_drain_queued: config.shutdown_drain_queued,
         prefetch: Prefetch::new(config.prefetch_kbytes, config.prefetch_records, counted),
-        session_timeout: crate::session_timeout::effective(
+        session_timeout: crate::group::session_timeout::effective(
             &config,
-            &crate::client_settings::ClientSettings::with_properties(
+            &crate::kafka::client_settings::ClientSettings::with_properties(
                 config.brokers.clone(),
                 extra.iter().cloned(),
             )
@@ -222,7 +222,7 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         tokio::runtime::Handle::current(),
         tokens,
     )?;
-    tokio::spawn(crate::memory::trim_after_reaps(
+    tokio::spawn(crate::ops::memory::trim_after_reaps(
         metrics.sessions.clone(),
         server_stop.clone(),
     ));

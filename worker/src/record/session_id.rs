@@ -73,6 +73,15 @@ impl std::fmt::Debug for SessionId {
     }
 }
 
+/// FNV-1a, 64 bit: a stable, fast hash for short keys such as session ids.
+pub fn stable_hash(bytes: &[u8]) -> u64 {
+    const OFFSET_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    bytes
+        .iter()
+        .fold(OFFSET_BASIS, |h, b| (h ^ u64::from(*b)).wrapping_mul(PRIME))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,42 +6,8 @@
 
 use rdkafka::message::OwnedHeaders;
 
+pub use crate::record::DlqReason;
 use crate::record::{header, InputRecord};
-
-/// Why a record went to the DLQ (`sessionflow-dlq-reason`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum DlqReason {
-    /// The handler said the record can never succeed.
-    Poison,
-    /// Transient failures until `retry.maxAttempts`.
-    RetriesExhausted,
-    /// No session id in the key / session header.
-    MissingSession,
-    /// The output record was not acknowledged after the producer's own retries.
-    ProduceFailed,
-    /// The handler did not finish within the stuck-offset timeout.
-    Stuck,
-}
-
-impl DlqReason {
-    pub const ALL: [DlqReason; 5] = [
-        Self::Poison,
-        Self::RetriesExhausted,
-        Self::MissingSession,
-        Self::ProduceFailed,
-        Self::Stuck,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Poison => "poison",
-            Self::RetriesExhausted => "retries-exhausted",
-            Self::MissingSession => "missing-session",
-            Self::ProduceFailed => "produce-failed",
-            Self::Stuck => "stuck",
-        }
-    }
-}
 
 /// The headers a dead letter gets on top of the original record's (its `traceparent` is
 /// replaced, and an event id is added when the record had none).
@@ -66,7 +32,7 @@ pub fn dlq_headers(
     let partition = record.partition.to_string();
     let offset = record.offset.to_string();
     let attempts = attempts.to_string();
-    let traceparent = crate::telemetry::traceparent(record).unwrap_or_default();
+    let traceparent = crate::ops::telemetry::traceparent(record).unwrap_or_default();
     let ours: Vec<&str> = std::iter::once(header::TRACEPARENT)
         .chain(ADDED_HEADERS)
         .collect();

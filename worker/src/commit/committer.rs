@@ -26,8 +26,8 @@ use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext};
 use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
 use rdkafka::TopicPartitionList;
 
-use crate::membership::Fence;
-use crate::partition_queues::Doorbell;
+use crate::group::membership::Fence;
+use crate::ops::signal::Doorbell;
 
 /// How often an idle commit thread looks whether the coordinator needs asking.
 const PROBE_CHECK: Duration = Duration::from_millis(200);

@@ -24,14 +24,14 @@ use std::time::Instant;
 
 use rand::Rng;
 
-use crate::dlq::DlqReason;
-use crate::health::Health;
-use crate::metrics::Metrics;
-use crate::producer::StageProducer;
+use crate::ops::health::Health;
+use crate::ops::metrics::Metrics;
+use crate::ops::signal::Signal;
+use crate::output::producer::StageProducer;
+use crate::record::DlqReason;
 use crate::record::InputRecord;
-use crate::retry::RetryPolicy;
-use crate::signal::Signal;
-use crate::stuck::StuckWatch;
+use crate::session::retry::RetryPolicy;
+use crate::session::stuck::StuckWatch;
 
 /// What a record's processing produced, to be written.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -267,7 +267,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::completion::{Completion, CompletionReceiver};
+    use crate::commit::completion::{Completion, CompletionReceiver};
     use crate::record::SessionSource;
     use crate::record::{Lease, Parts};
 
@@ -275,7 +275,7 @@ mod tests {
     fn terminal_stage() -> (StageProducer, CompletionReceiver, Metrics, Arc<Health>) {
         let metrics = Metrics::new("test");
         let health = Arc::new(Health::default());
-        let (producer, done) = crate::producer::terminal_stage(&metrics, &health);
+        let (producer, done) = crate::output::producer::terminal_stage(&metrics, &health);
         (producer, done, metrics, health)
     }
 

@@ -23,12 +23,8 @@
 
 use std::collections::VecDeque;
 
-use crate::leader_epochs::{Epoch, EpochRuns, UNKNOWN};
-
-/// Kafka partition number.
-pub type Partition = i32;
-/// Kafka offset.
-pub type Offset = i64;
+use crate::commit::leader_epochs::{Epoch, EpochRuns, UNKNOWN};
+pub use crate::record::{Offset, Partition};
 
 /// In-flight and completed offsets of one partition.
 #[derive(Debug, Default, Clone)]
@@ -131,7 +127,7 @@ impl PartitionOffsets {
     ///
     /// `epoch` is the leader epoch the record was read at: an offset below the next one
     /// expected but of a newer epoch is not a replay but a record the log was rewritten with
-    /// (see [`crate::leader_epochs`]), refused as [`OffsetError::Rewritten`].
+    /// (see [`crate::commit::leader_epochs`]), refused as [`OffsetError::Rewritten`].
     pub fn begin(&mut self, offset: Offset, epoch: Epoch) -> Result<(), OffsetError> {
         if let Some(next) = self.next {
             if offset < next {

@@ -29,6 +29,11 @@
 //! `membership`): when the group coordinator has been silent too long, writes stop and the
 //! producer's queued ones are purged, until it answers again.
 
+pub mod fetched;
+pub mod kafka_epoch;
+pub mod partition_queues;
+pub mod prefetch;
+
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -43,30 +48,31 @@ use rdkafka::message::BorrowedMessage;
 use rdkafka::{Message, Offset as KafkaOffset, TopicPartitionList};
 use tokio_util::sync::CancellationToken;
 
-use crate::backpressure::{self, Offer, PendingBuffer};
-use crate::client_settings::ClientSettings;
-use crate::committer::Committer;
-use crate::completion::{Completion, CompletionReceiver};
+use crate::commit::committer::Committer;
+use crate::commit::completion::{Completion, CompletionReceiver};
+use crate::commit::lag::Assigned;
+use crate::commit::leader_epochs::Epoch;
+use crate::commit::offset_map::{self, DoneAbove};
+use crate::commit::offsets::{Offset, OffsetError, OffsetTracker, Partition};
 use crate::config::RebalanceStrategy;
-use crate::dlq::DlqReason;
-use crate::handoff::{Batch, Handoff, Refused};
-use crate::health::Health;
-use crate::kafka_epoch::{self, ReadAtEpoch};
-use crate::lag::Assigned;
-use crate::leader_epochs::Epoch;
-use crate::membership::{Fence, Verdict};
-use crate::metrics::Metrics;
-use crate::offset_map::{self, DoneAbove};
-use crate::offsets::{Offset, OffsetError, OffsetTracker, Partition};
-use crate::partition_queues::{self, Doorbell, PartitionQueues};
-use crate::prefetch::Prefetch;
-use crate::producer::StageProducer;
+use crate::dispatch::backpressure::{self, Offer, PendingBuffer};
+use crate::dispatch::handoff::{Batch, Handoff, Refused};
+use crate::dispatch::routing::SessionRouter;
+use crate::group::membership::{Fence, Verdict};
+use crate::intake::kafka_epoch::ReadAtEpoch;
+use crate::intake::partition_queues::PartitionQueues;
+use crate::intake::prefetch::Prefetch;
+use crate::kafka::client_settings::ClientSettings;
+use crate::ops::health::Health;
+use crate::ops::metrics::Metrics;
+use crate::ops::signal::Doorbell;
+use crate::ops::signal::Signal;
+use crate::output::producer::StageProducer;
+use crate::record::topic_name::TopicName;
+use crate::record::DlqReason;
 use crate::record::SessionSource;
 use crate::record::{InputRecord, Lease};
-use crate::routing::SessionRouter;
-use crate::settle::{Outcome, Settler};
-use crate::signal::Signal;
-use crate::topic_name::TopicName;
+use crate::session::settle::{Outcome, Settler};
 
 /// How long an idle loop waits for records before it serves events and chores again.
 const POLL_TIMEOUT: Duration = Duration::from_millis(20);
@@ -348,7 +354,7 @@ impl Book {
     }
 
     /// Whether a partition wants its commit now rather than at the interval, before the cap
-    /// holds intake ([`crate::offsets::PartitionOffsets::wants_early_commit`]).
+    /// holds intake ([`crate::commit::offsets::PartitionOffsets::wants_early_commit`]).
     fn commit_urgent(&self, cap: usize) -> bool {
         self.tracker
             .partitions()
@@ -1173,7 +1179,7 @@ impl IntakeLoop {
     }
 
     /// The partition's log was truncated and written on from `at` by a newer leader (its
-    /// record there was read again at the newer `epoch`: see [`crate::leader_epochs`]).
+    /// record there was read again at the newer `epoch`: see [`crate::commit::leader_epochs`]).
     /// librdkafka has moved the fetch position back without a word, and the records from `at`
     /// on are new ones, never processed. Every record of the partition in flight is given up
     /// (its lease revoked: what is not written yet is not written), its books start over, and

@@ -1,6 +1,6 @@
 //! The session timeout the group coordinator really applies to this member.
 //!
-//! The membership fence ([`crate::membership`]) closes the write gate when the coordinator
+//! The membership fence ([`crate::group::membership`]) closes the write gate when the coordinator
 //! has been silent for two thirds of the session timeout, so it must measure with the timeout
 //! the coordinator uses. Under the classic protocol that is the member's own
 //! `session.timeout.ms`. Under KIP-848 (`rebalance.strategy: consumer`) the broker decides it:

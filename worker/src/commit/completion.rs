@@ -7,7 +7,7 @@
 
 use std::sync::mpsc;
 
-use crate::offsets::{Offset, Partition};
+use crate::commit::offsets::{Offset, Partition};
 use crate::record::InputRecord;
 
 /// A record is done: processed and its output acknowledged, or written to the DLQ.

@@ -13,7 +13,7 @@
 use std::time::{Duration, Instant};
 
 use crate::config::{StuckActionConfig, StuckConfig};
-use crate::metrics::Metrics;
+use crate::ops::metrics::Metrics;
 use crate::record::InputRecord;
 
 /// What to do with a record past the timeout.

@@ -17,8 +17,8 @@ use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Offset, TopicPartitionList};
 
-use crate::client_settings::ClientSettings;
-use crate::offset_map;
+use crate::commit::offset_map;
+use crate::kafka::client_settings::ClientSettings;
 
 /// Lag of one partition.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -139,7 +139,7 @@ pub struct LagReporter {
     pub topic: String,
     pub interval: Duration,
     pub assigned: Assigned,
-    pub metrics: crate::metrics::Metrics,
+    pub metrics: crate::ops::metrics::Metrics,
 }
 
 impl LagReporter {
@@ -223,7 +223,7 @@ mod tests {
             topic: "t".into(),
             interval: Duration::from_secs(1),
             assigned: Assigned::default(),
-            metrics: crate::metrics::Metrics::new("t"),
+            metrics: crate::ops::metrics::Metrics::new("t"),
         };
         let config = reporter.client_config();
         assert_eq!(config.get("security.protocol"), Some("SASL_SSL"));

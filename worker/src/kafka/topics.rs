@@ -9,7 +9,7 @@ use std::time::Duration;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 
-use crate::client_settings::ClientSettings;
+use crate::kafka::client_settings::ClientSettings;
 use rdkafka::types::RDKafkaErrorCode;
 
 fn admin(kafka: impl Into<ClientSettings>) -> anyhow::Result<AdminClient<DefaultClientContext>> {

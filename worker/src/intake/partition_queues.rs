@@ -20,7 +20,7 @@
 use std::collections::BTreeMap;
 use std::ffi::{CStr, CString};
 use std::ptr::NonNull;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use rdkafka::bindings::{rd_kafka_queue_destroy, rd_kafka_queue_get_partition, rd_kafka_queue_t};
@@ -29,34 +29,9 @@ use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::KafkaResult;
 use rdkafka::message::BorrowedMessage;
 
-use crate::fetched::{self, FetchedMessage};
-use crate::offsets::Partition;
-
-/// What the consumer loop waits on when it took nothing: rung (from librdkafka's threads) when a
-/// partition queue gets records while empty, and by the commit thread when a commit is
-/// answered, since a partition held at its in-flight cap may take records again only then.
-#[derive(Debug, Default)]
-pub struct Doorbell {
-    rung: Mutex<bool>,
-    ring: Condvar,
-}
-
-impl Doorbell {
-    pub fn ring(&self) {
-        *self.rung.lock().unwrap_or_else(|p| p.into_inner()) = true;
-        self.ring.notify_one();
-    }
-
-    /// Waits until rung (since the last wait) or `timeout`; true when rung.
-    pub fn wait(&self, timeout: Duration) -> bool {
-        let rung = self.rung.lock().unwrap_or_else(|p| p.into_inner());
-        let (mut rung, _) = self
-            .ring
-            .wait_timeout_while(rung, timeout, |rung| !*rung)
-            .unwrap_or_else(|p| p.into_inner());
-        std::mem::take(&mut *rung)
-    }
-}
+use crate::commit::offsets::Partition;
+use crate::intake::fetched::{self, FetchedMessage};
+use crate::ops::signal::Doorbell;
 
 /// Detaches `partition`'s fetch queue from the consumer's main queue, so that its records stay
 /// in its own queue from the first fetch on. For the rebalance callback, before the partition

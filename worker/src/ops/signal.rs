@@ -1,4 +1,5 @@
-//! A shutdown signal the session tasks can ask about on every record.
+//! Signals between the engine's threads: the shutdown signal the session tasks ask about on
+//! every record, and the doorbell the consumer loop sleeps on.
 //!
 //! tokio-util's `CancellationToken::is_cancelled` takes the token's mutex, and each session task
 //! asks two of them (abort, release what is queued) before every record. A [`Signal`] is a token
@@ -7,7 +8,8 @@
 //! and whoever wakes from the token finds the flag already set.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 
 use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 
@@ -30,6 +32,32 @@ impl Signal {
     /// Completes once the signal is cancelled.
     pub fn cancelled(&self) -> WaitForCancellationFuture<'_> {
         self.token.cancelled()
+    }
+}
+
+/// What the consumer loop waits on when it took nothing: rung (from librdkafka's threads) when a
+/// partition queue gets records while empty, and by the commit thread when a commit is
+/// answered, since a partition held at its in-flight cap may take records again only then.
+#[derive(Debug, Default)]
+pub struct Doorbell {
+    rung: Mutex<bool>,
+    ring: Condvar,
+}
+
+impl Doorbell {
+    pub fn ring(&self) {
+        *self.rung.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        self.ring.notify_one();
+    }
+
+    /// Waits until rung (since the last wait) or `timeout`; true when rung.
+    pub fn wait(&self, timeout: Duration) -> bool {
+        let rung = self.rung.lock().unwrap_or_else(|p| p.into_inner());
+        let (mut rung, _) = self
+            .ring
+            .wait_timeout_while(rung, timeout, |rung| !*rung)
+            .unwrap_or_else(|p| p.into_inner());
+        std::mem::take(&mut *rung)
     }
 }
 

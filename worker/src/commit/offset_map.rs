@@ -32,8 +32,8 @@
 use base64::engine::general_purpose::STANDARD_NO_PAD;
 use base64::Engine;
 
-use crate::leader_epochs::{Epoch, UNKNOWN};
-use crate::offsets::Offset;
+use crate::commit::leader_epochs::{Epoch, UNKNOWN};
+use crate::commit::offsets::Offset;
 
 /// Commit metadata larger than this is not sent (brokers cap it near 4 KB by default).
 pub const MAX_METADATA: usize = 4_000;
@@ -518,7 +518,7 @@ mod tests {
             // The watermark itself is unfinished; others unfinished by a seeded pattern.
             let next = watermark + span as i64;
             let incomplete: Vec<i64> = (watermark..next)
-                .filter(|o| *o == watermark || (crate::routing::stable_hash(&(o ^ seed as i64).to_le_bytes()) % 7 == 0))
+                .filter(|o| *o == watermark || (crate::record::session_id::stable_hash(&(o ^ seed as i64).to_le_bytes()) % 7 == 0))
                 .collect();
             match encode(watermark, next, epoch, incomplete.iter().copied()) {
                 Ok(text) => {

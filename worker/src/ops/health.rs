@@ -16,7 +16,7 @@ use axum::routing::get;
 use axum::Router;
 use tokio_util::sync::CancellationToken;
 
-use crate::metrics::Metrics;
+use crate::ops::metrics::Metrics;
 
 /// Shared liveness/readiness flags, written by the consumer loop (reachability, turns) and by
 /// the write path (results the broker keeps refusing, fatal client errors).

@@ -33,19 +33,19 @@ use rand::Rng;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
-use crate::dlq::DlqReason;
 use crate::handler::{Handler, HandlerError, HandlerResult};
-use crate::health::Health;
-use crate::mailbox;
-use crate::metrics::Metrics;
-use crate::producer::StageProducer;
+use crate::ops::health::Health;
+use crate::ops::metrics::Metrics;
+use crate::ops::signal::Signal;
+use crate::ops::telemetry;
+use crate::ops::watchdog::SeqWatch;
+use crate::output::producer::StageProducer;
+use crate::record::DlqReason;
 use crate::record::InputRecord;
-use crate::retry::RetryPolicy;
-use crate::settle::{Outcome, Settled, Settler};
-use crate::signal::Signal;
-use crate::stuck::{StuckPolicy, StuckWatch, Verdict};
-use crate::telemetry;
-use crate::watchdog::SeqWatch;
+use crate::session::mailbox;
+use crate::session::retry::RetryPolicy;
+use crate::session::settle::{Outcome, Settled, Settler};
+use crate::session::stuck::{StuckPolicy, StuckWatch, Verdict};
 
 /// How many finished event ids a session task remembers.
 const RECENT_EVENT_IDS: usize = 256;

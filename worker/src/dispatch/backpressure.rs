@@ -193,7 +193,7 @@ mod tests {
             burst in 1usize..300,
             picks in prop::collection::vec(any::<prop::sample::Index>(), 1..64),
         ) {
-            use crate::offsets::PartitionOffsets;
+            use crate::commit::offsets::PartitionOffsets;
             let offsets: Vec<i64> = steps
                 .iter()
                 .scan(0, |at, s| {

@@ -25,11 +25,11 @@ use std::time::{Duration, Instant};
 
 use tokio_util::task::TaskTracker;
 
+use crate::dispatch::handoff::{Batch, Takeoff};
 use crate::handler::Handler;
-use crate::handoff::{Batch, Takeoff};
+use crate::record::session_id::SessionId;
 use crate::record::InputRecord;
-use crate::session::{Sent, SessionContext, SessionHandle};
-use crate::session_id::SessionId;
+use crate::session::task::{Sent, SessionContext, SessionHandle};
 
 /// Batches taken from the consumer loop per wake-up, at most.
 const BATCHES: usize = 16;
@@ -185,12 +185,12 @@ impl<H: Handler> Dispatcher<H> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::health::Health;
-    use crate::metrics::Metrics;
+    use crate::ops::health::Health;
+    use crate::ops::metrics::Metrics;
+    use crate::ops::signal::Signal;
     use crate::record::Lease;
-    use crate::retry::RetryPolicy;
-    use crate::signal::Signal;
-    use crate::stuck::{StuckAction, StuckPolicy};
+    use crate::session::retry::RetryPolicy;
+    use crate::session::stuck::{StuckAction, StuckPolicy};
     use crate::HandlerResult;
 
     #[cfg(feature = "jemalloc")]
@@ -219,12 +219,12 @@ mod tests {
         handler: H,
     ) -> (
         Arc<SessionContext<H>>,
-        crate::completion::CompletionReceiver,
+        crate::commit::completion::CompletionReceiver,
     ) {
         let metrics = Metrics::new("test");
         let health = Arc::new(Health::default());
         // Never connects: a terminal stage without records to dead-letter produces nothing.
-        let (producer, done) = crate::producer::terminal_stage(&metrics, &health);
+        let (producer, done) = crate::output::producer::terminal_stage(&metrics, &health);
         let ctx = SessionContext {
             handler: Arc::new(handler),
             producer,
@@ -270,8 +270,8 @@ mod tests {
     /// `hibernates`, and are never reaped), fed and drained by the test.
     struct Harness<H> {
         ctx: Arc<SessionContext<H>>,
-        done: crate::completion::CompletionReceiver,
-        tx: crate::handoff::Handoff,
+        done: crate::commit::completion::CompletionReceiver,
+        tx: crate::dispatch::handoff::Handoff,
         dispatcher: tokio::task::JoinHandle<()>,
         tasks: TaskTracker,
         lease: Arc<Lease>,
@@ -280,7 +280,7 @@ mod tests {
     impl<H: Handler> Harness<H> {
         fn start(handler: H, hibernates: bool) -> Self {
             let (ctx, done) = context(handler);
-            let (tx, rx) = crate::handoff::handoff(1_024);
+            let (tx, rx) = crate::dispatch::handoff::handoff(1_024);
             let tasks = TaskTracker::new();
             let idle = Duration::from_secs(3_600);
             let mut dispatcher = Dispatcher::new(rx, ctx.clone(), idle, tasks.clone());
@@ -307,13 +307,15 @@ mod tests {
         }
 
         /// Hands `batch` over, waiting while the dispatcher has no room.
-        async fn hand_over(&self, batch: crate::handoff::Batch) {
+        async fn hand_over(&self, batch: crate::dispatch::handoff::Batch) {
             let mut batch = batch;
             loop {
                 match self.tx.offer(batch) {
                     Ok(()) => return,
-                    Err(crate::handoff::Refused::Full(back)) => batch = back,
-                    Err(crate::handoff::Refused::Closed(_)) => panic!("the dispatcher ended"),
+                    Err(crate::dispatch::handoff::Refused::Full(back)) => batch = back,
+                    Err(crate::dispatch::handoff::Refused::Closed(_)) => {
+                        panic!("the dispatcher ended")
+                    }
                 }
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
@@ -348,13 +350,13 @@ mod tests {
         /// meanwhile on the threads of `cargo test`, do not count.
         #[cfg(feature = "jemalloc")]
         async fn bytes_per_session(&self, sessions: usize, hibernated: bool) -> u64 {
-            let before = crate::memory::allocated_bytes().unwrap();
+            let before = crate::ops::memory::allocated_bytes().unwrap();
             self.send(0..sessions, 1).await;
             self.settle(sessions).await;
             if hibernated {
                 self.hibernated().await;
             }
-            let after = crate::memory::allocated_bytes().unwrap();
+            let after = crate::ops::memory::allocated_bytes().unwrap();
             (after - before) / sessions as u64
         }
 
@@ -370,7 +372,7 @@ mod tests {
     /// One heap-measuring test at a time in this process (see `bytes_per_session`).
     #[cfg(feature = "jemalloc")]
     async fn measuring() -> tokio::sync::MutexGuard<'static, ()> {
-        crate::memory::HEAP_MEASURED.lock().await
+        crate::ops::memory::HEAP_MEASURED.lock().await
     }
 
     /// What an idle session keeps before it hibernates, once its records are done: its task, its

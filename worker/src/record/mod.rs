@@ -6,6 +6,9 @@
 //! from the start; its stable event id is made when something asks for it, since a stage that
 //! writes no result never does. Everything downstream only reads them.
 
+pub mod session_id;
+pub mod topic_name;
+
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -16,8 +19,48 @@ use smallvec::SmallVec;
 
 use serde::{Deserialize, Serialize};
 
-use crate::offsets::{Offset, Partition};
-use crate::topic_name::TopicName;
+use crate::record::topic_name::TopicName;
+
+/// Kafka partition number.
+pub type Partition = i32;
+
+/// Kafka offset.
+pub type Offset = i64;
+
+/// Why a record went to the DLQ (`sessionflow-dlq-reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DlqReason {
+    /// The handler said the record can never succeed.
+    Poison,
+    /// Transient failures until `retry.maxAttempts`.
+    RetriesExhausted,
+    /// No session id in the key / session header.
+    MissingSession,
+    /// The output record was not acknowledged after the producer's own retries.
+    ProduceFailed,
+    /// The handler did not finish within the stuck-offset timeout.
+    Stuck,
+}
+
+impl DlqReason {
+    pub const ALL: [DlqReason; 5] = [
+        Self::Poison,
+        Self::RetriesExhausted,
+        Self::MissingSession,
+        Self::ProduceFailed,
+        Self::Stuck,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Poison => "poison",
+            Self::RetriesExhausted => "retries-exhausted",
+            Self::MissingSession => "missing-session",
+            Self::ProduceFailed => "produce-failed",
+            Self::Stuck => "stuck",
+        }
+    }
+}
 
 /// Where a record's session id is read from.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]

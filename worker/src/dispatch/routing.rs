@@ -7,14 +7,7 @@
 //! sessions move, and they all move to the new bucket. It needs no ring in memory and no
 //! virtual nodes, and it is pure, so it is tested here without I/O.
 
-/// FNV-1a, 64 bit: a stable, fast hash for short keys such as session ids.
-pub fn stable_hash(bytes: &[u8]) -> u64 {
-    const OFFSET_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
-    const PRIME: u64 = 0x0000_0100_0000_01b3;
-    bytes
-        .iter()
-        .fold(OFFSET_BASIS, |h, b| (h ^ u64::from(*b)).wrapping_mul(PRIME))
-}
+use crate::record::session_id::stable_hash;
 
 /// Jump consistent hash: maps `key` onto `0..buckets`. `buckets` must be at least 1.
 pub fn jump_hash(mut key: u64, buckets: u32) -> u32 {

@@ -289,7 +289,7 @@ impl Metrics {
 
     /// Logs the stage's totals (at shutdown).
     pub fn log(&self) {
-        let dlq: Vec<String> = crate::dlq::DlqReason::ALL
+        let dlq: Vec<String> = crate::record::DlqReason::ALL
             .iter()
             .map(|r| (r.as_str(), self.dlq.with_label_values(&[r.as_str()]).get()))
             .filter(|(_, n)| *n > 0)

@@ -23,14 +23,15 @@ use rdkafka::message::OwnedHeaders;
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer, PurgeConfig};
 use tokio_util::sync::CancellationToken;
 
-use crate::client_settings::ClientSettings;
-use crate::completion::{Completion, CompletionSender};
-use crate::dlq::{dlq_headers, DlqReason};
-use crate::health::Health;
-use crate::membership::WriteGate;
-use crate::metrics::Metrics;
+use crate::commit::completion::{Completion, CompletionSender};
+use crate::group::membership::WriteGate;
+use crate::kafka::client_settings::ClientSettings;
+use crate::ops::health::Health;
+use crate::ops::metrics::Metrics;
+use crate::ops::telemetry;
+use crate::output::dlq::dlq_headers;
+use crate::record::DlqReason;
 use crate::record::{header, InputRecord, WritePermit};
-use crate::telemetry;
 
 /// How long to wait before re-enqueueing when librdkafka's local queue is full.
 const QUEUE_FULL_BACKOFF: Duration = Duration::from_millis(5);
@@ -332,8 +333,8 @@ async fn acknowledged(ack: DeliveryFuture) -> Result<(), WriteError> {
 pub(crate) fn terminal_stage(
     metrics: &Metrics,
     health: &Arc<Health>,
-) -> (StageProducer, crate::completion::CompletionReceiver) {
-    let (completions, done) = crate::completion::channel();
+) -> (StageProducer, crate::commit::completion::CompletionReceiver) {
+    let (completions, done) = crate::commit::completion::channel();
     let events = ProducerEvents {
         health: health.clone(),
         metrics: metrics.clone(),

@@ -1,0 +1,8 @@
+//! Writing a stage's results.
+//!
+//! [`producer`] writes output records and dead letters and reports the broker's answer; [`dlq`]
+//! says what a dead letter carries. When a record counts as done is the session's business
+//! (`session::settle`), not the producer's.
+
+pub mod dlq;
+pub mod producer;
