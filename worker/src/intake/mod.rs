@@ -43,7 +43,6 @@ mod shutdown;
 pub use settings::{consumer_config, IntakeSettings};
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -68,7 +67,7 @@ use crate::intake::book::{Book, PartitionState};
 use crate::intake::fence_timer::FenceTimer;
 use crate::intake::kafka_epoch::ReadAtEpoch;
 use crate::intake::partition_queues::PartitionQueues;
-use crate::intake::rebalance::{IntakeContext, CLOSE_COMMIT_NOT_RUN};
+use crate::intake::rebalance::IntakeContext;
 use crate::ops::health::Health;
 use crate::ops::metrics::Metrics;
 use crate::ops::signal::Doorbell;
@@ -166,8 +165,6 @@ impl IntakeLoop {
             settings,
             metrics,
             health,
-            closing: AtomicBool::new(false),
-            close_commit_failures: AtomicUsize::new(CLOSE_COMMIT_NOT_RUN),
             fatal: tokens.fatal.clone(),
             fence: fence.clone(),
             producer: producer.clone(),

@@ -8,7 +8,6 @@
 //! may own it already. The book (`book`) holds each partition's phase through this.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -21,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 use crate::commit::offset_map::{self, DoneAbove};
 use crate::commit::offsets::Partition;
 use crate::group::membership::{Fence, Verdict};
-use crate::intake::book::Book;
+use crate::intake::book::{Book, Leaving};
 use crate::intake::kafka_epoch;
 use crate::intake::partition_queues;
 use crate::intake::settings::IntakeSettings;
@@ -32,8 +31,6 @@ use crate::record::Lease;
 
 /// How often a drain (revocation, shutdown) checks for completions.
 pub(super) const DRAIN_CHECK: Duration = Duration::from_millis(50);
-/// `close_commit_failures` before any revocation of the close has committed.
-pub(super) const CLOSE_COMMIT_NOT_RUN: usize = usize::MAX;
 
 /// The librdkafka context: rebalance and commit callbacks, with access to the [`Book`].
 pub(crate) struct IntakeContext {
@@ -41,12 +38,6 @@ pub(crate) struct IntakeContext {
     pub(super) settings: IntakeSettings,
     pub(super) metrics: Metrics,
     pub(super) health: Arc<Health>,
-    /// Set once shutdown has drained and made its final commit: later revocations (from
-    /// close) commit what is not confirmed yet, and say how that went here.
-    pub(super) closing: AtomicBool,
-    /// Partitions whose commit a revocation while closing could not get confirmed
-    /// ([`CLOSE_COMMIT_NOT_RUN`] until one has run).
-    pub(super) close_commit_failures: AtomicUsize,
     /// Cancelled on a fatal client error: the worker stops and exits non-zero.
     pub(super) fatal: CancellationToken,
     /// The membership fence, and the producer it purges when it closes.
@@ -233,7 +224,7 @@ impl IntakeContext {
                 unfinished = book.unreleased(&partitions),
                 "partitions lost (session timeout or fenced): dropped without drain or commit"
             );
-        } else if self.closing.load(Ordering::Acquire) {
+        } else if matches!(book.leaving, Leaving::Closing { .. }) {
             // The revocation of the stop itself (or one during it): every session has ended
             // and the write fence has run, so what is done is done. A final commit refused
             // while a rebalance was under way is accepted here, inside the rebalance.
@@ -244,14 +235,7 @@ impl IntakeContext {
             }
             // Counted from the book, not from the answer: a partition with progress that is
             // not confirmed as it is counts however it got so.
-            let failed = book.unsettled(&partitions);
-            let before = self.close_commit_failures.load(Ordering::Acquire);
-            let total = if before == CLOSE_COMMIT_NOT_RUN {
-                failed
-            } else {
-                before + failed
-            };
-            self.close_commit_failures.store(total, Ordering::Release);
+            book.count_close_commit(&partitions);
         } else {
             let drain_for = self.settings.revoke_drain_timeout;
             book = drain(book, &partitions, Instant::now() + drain_for, self);

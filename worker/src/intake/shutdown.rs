@@ -6,13 +6,12 @@
 //! next owner's), and reports a final commit that failed as a failure of the run. It is the
 //! consumer loop's last act, so these are methods of [`IntakeLoop`].
 
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{CommitMode, Consumer};
 
-use crate::intake::book::Book;
-use crate::intake::rebalance::{CLOSE_COMMIT_NOT_RUN, DRAIN_CHECK};
+use crate::intake::book::{Book, Leaving};
+use crate::intake::rebalance::DRAIN_CHECK;
 use crate::intake::{IntakeError, IntakeLoop};
 
 /// How long shutdown waits for the answers of the deliveries it purged.
@@ -215,16 +214,19 @@ impl IntakeLoop {
     pub(super) fn close(self) -> Option<usize> {
         // Its thread holds the consumer too: end it before the consumer is closed.
         self.committer.borrow_mut().finish();
-        self.ctx().closing.store(true, Ordering::Release);
+        self.ctx().book().start_closing();
         self.consumer.unsubscribe();
         // Serve the revocation that unsubscribing triggers, briefly.
         let until = Instant::now() + Duration::from_millis(500);
         while Instant::now() < until && self.consumer.assignment().is_ok_and(|a| a.count() > 0) {
             self.consumer.poll(Duration::from_millis(50));
         }
-        let failures = self.ctx().close_commit_failures.load(Ordering::Acquire);
+        let unconfirmed = match self.ctx().book().leaving {
+            Leaving::Closing { unconfirmed } => unconfirmed,
+            Leaving::No => None,
+        };
         drop(self.fence_timer.take());
         drop(self.consumer);
-        (failures != CLOSE_COMMIT_NOT_RUN).then_some(failures)
+        unconfirmed
     }
 }
