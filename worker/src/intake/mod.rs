@@ -22,13 +22,13 @@
 //! itself; every answer goes back to the offset tracker, which sends unconfirmed watermarks
 //! again.
 //!
-//! Where the rest lives: the book of partitions in `book`, the rebalance callbacks in
-//! `rebalance`, the stop (drain, final commit, leaving the group) in `shutdown`, the fence's
-//! own timer in `fence_timer`, the settings in `settings`.
-//!
 //! Every turn, and every check of a drain, also judges the membership fence (see
 //! `membership`): when the group coordinator has been silent too long, writes stop and the
 //! producer's queued ones are purged, until it answers again.
+//!
+//! Where the rest lives: the book of partitions in `book`, the rebalance callbacks in
+//! `rebalance`, the stop (drain, final commit, leaving the group) in `shutdown`, the fence's
+//! own timer in `fence_timer`, the settings in `settings`.
 
 mod book;
 mod fence_timer;
