@@ -21,7 +21,9 @@ use rdkafka::config::ClientConfig;
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::{BaseProducer, BaseRecord, DefaultProducerContext, Producer};
 use serde_json::{json, Value};
-use sessionflow_worker::config::{BuiltinHandlerConfig, HandlerConfig, RebalanceConfig};
+use sessionflow_worker::config::{
+    BuiltinHandlerConfig, HandlerConfig, RebalanceConfig, StageSettings,
+};
 use tokio::sync::Notify;
 
 use crate::crd::{
@@ -74,11 +76,7 @@ pub fn pipeline(stages: &[&str]) -> SessionPipeline {
             },
             stages,
             worker_image: None,
-            session: None,
-            retry: None,
-            stuck: None,
-            commit_interval_ms: None,
-            shutdown_timeout_ms: None,
+            defaults: StageSettings::default(),
             worker_template: None,
             disruption_budget: None,
         },
@@ -103,12 +101,8 @@ pub fn stage(name: &str, input: &str, output: Option<&str>) -> StageSpec {
         resources: None,
         replicas: ReplicasSpec::default(),
         autoscaling: AutoscalingSpec::default(),
-        session: None,
-        retry: None,
-        stuck: None,
+        settings: StageSettings::default(),
         rebalance: None,
-        commit_interval_ms: None,
-        shutdown_timeout_ms: None,
         dispatchers: None,
         dispatcher_capacity: None,
         session_idle_ms: None,

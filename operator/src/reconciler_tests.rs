@@ -405,7 +405,7 @@ async fn a_poll_interval_below_the_session_timeout_is_refused_with_the_property_
 #[tokio::test]
 async fn a_shutdown_no_grace_period_can_hold_is_refused_at_the_pipeline_field() {
     let mut sp = pipeline(&["nlu"]);
-    sp.spec.shutdown_timeout_ms = Some(u64::MAX);
+    sp.spec.defaults.shutdown_timeout_ms = Some(u64::MAX);
     invalid_spec_pass(sp, |status| {
         let message = condition(status, "Degraded")["message"].as_str().unwrap();
         assert!(
