@@ -4,7 +4,8 @@
 //! stages, each becoming one autoscaled worker Deployment. A stage's worker settings use the
 //! worker config's own types and camelCase names (`retry`, `stuck`, `handler`, …), so what a
 //! user writes here is what the worker reads, and the CRD schema is generated from the same
-//! definitions. The CRD enforces what it can (OpenAPI bounds and CEL rules, each with a message
+//! definitions; the settings a pipeline also sets for all its stages are the worker's
+//! [`StageSettings`], flattened into both the spec and each stage. The CRD enforces what it can (OpenAPI bounds and CEL rules, each with a message
 //! that names the field); [`crate::render`] re-checks everything a worker would refuse, so a
 //! resource that slipped past an older CRD still ends as `Degraded`, not as a crash loop.
 
@@ -19,9 +20,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{CustomResource, CustomResourceExt, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
-use sessionflow_worker::config::{
-    HandlerConfig, RebalanceConfig, RetryConfig, SessionSource, StuckConfig,
-};
+use sessionflow_worker::config::{HandlerConfig, RebalanceConfig, StageSettings};
 
 /// The CRD's resource name.
 pub const CRD_NAME: &str = "sessionpipelines.sessionflow.io";
@@ -80,24 +79,10 @@ pub struct SessionPipelineSpec {
     /// Worker image for stages that set none; defaults to the operator's `--worker-image`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub worker_image: Option<String>,
-    /// Where records' session ids come from, for every stage (default: the record key).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub session: Option<SessionSource>,
-    /// Retry policy for every stage that sets none.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub retry: Option<RetryConfig>,
-    /// Stuck-record policy for every stage that sets none.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub stuck: Option<StuckConfig>,
-    /// How often workers commit, for every stage that sets none.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
-    pub commit_interval_ms: Option<u64>,
-    /// How long a stopping worker waits for in-flight records, for every stage that sets none
-    /// (worker default 20000). The pods' grace period is derived from it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
-    pub shutdown_timeout_ms: Option<u64>,
+    /// The worker settings of every stage that does not set its own (`session`, `retry`,
+    /// `stuck`, `commitIntervalMs`, `shutdownTimeoutMs`).
+    #[serde(flatten)]
+    pub defaults: StageSettings,
     /// Pod settings of every stage's workers (scheduling, identity, extra env and volumes,
     /// sidecars); a stage's `template` is merged over it, the stage winning.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -299,31 +284,16 @@ pub struct StageSpec {
     /// How the replica count follows the lag.
     #[serde(default)]
     pub autoscaling: AutoscalingSpec,
-    /// Overrides `spec.session`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub session: Option<SessionSource>,
-    /// Overrides `spec.retry`: in-place retries of transient failures.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub retry: Option<RetryConfig>,
-    /// Overrides `spec.stuck`: what happens to a record not done in time.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub stuck: Option<StuckConfig>,
+    /// This stage's own `session`, `retry`, `stuck`, `commitIntervalMs` and
+    /// `shutdownTimeoutMs`, each over the pipeline's (`spec.*`).
+    #[serde(flatten)]
+    pub settings: StageSettings,
     /// Group protocol (`cooperative`, `eager` or `consumer`, KIP-848) and drain timeout on
     /// revocation. A revocation holds the consumer's poll for up to 2 × `drainTimeoutMs` + 5000 ms, which must stay below
     /// `max.poll.interval.ms` of `kafka.properties` (librdkafka's default 300000): with the
     /// default, `drainTimeoutMs` can be at most 147499.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rebalance: Option<RebalanceConfig>,
-    /// Overrides `spec.commitIntervalMs`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
-    pub commit_interval_ms: Option<u64>,
-    /// Overrides `spec.shutdownTimeoutMs`. The pods' `terminationGracePeriodSeconds` follows it:
-    /// shutdown timeout + 3 × drain timeout + 50 s (the shutdown fence, commits, the worker's
-    /// close, slack).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
-    pub shutdown_timeout_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     /// Dispatcher tasks per worker that sessions are hashed onto (worker default 8).
     #[schemars(range(min = 1, max = 1024))]

@@ -1,23 +1,40 @@
-//! Test fixtures: sample pipelines and a scripted stand-in for the Kubernetes API server
-//! (kube-rs's ApiServerVerifier pattern, as in controller-rs).
+//! Test fixtures: sample pipelines, a scripted stand-in for the Kubernetes API server
+//! (kube-rs's ApiServerVerifier pattern, as in controller-rs), and the harnesses built on it
+//! that more than one test file uses: a reconciler [`context`], a [`scaler_of`] a store of
+//! pipelines, a Kafka cluster with lag ([`cluster_with_lag`]), the Deployment the scaler reads.
 //!
 //! The client under test talks to a `tower_test` mock service; the test answers each request
 //! in turn, checking method and path, and sees the request body. A request the script does not
 //! expect fails the test with its method and path.
 
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use http::{Method, Request, Response};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::client::Body;
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::reflector::{self, store::Writer};
+use kube::runtime::watcher;
 use kube::Client;
+use rdkafka::config::ClientConfig;
+use rdkafka::mocking::MockCluster;
+use rdkafka::producer::{BaseProducer, BaseRecord, DefaultProducerContext, Producer};
 use serde_json::{json, Value};
-use sessionflow_worker::config::{BuiltinHandlerConfig, HandlerConfig, RebalanceConfig};
+use sessionflow_worker::config::{
+    BuiltinHandlerConfig, HandlerConfig, RebalanceConfig, StageSettings,
+};
+use tokio::sync::Notify;
 
 use crate::crd::{
     AutoscalingSpec, KafkaSpec, ReplicasSpec, SessionPipeline, SessionPipelineSpec, StageSpec,
     TopicSpec, TopicsSpec,
 };
+use crate::liveness::PassClock;
+use crate::metrics::Metrics;
+use crate::reconciler::Context;
+use crate::render::Defaults;
+use crate::scaler::Scaler;
 
 pub const NAMESPACE: &str = "shop";
 pub const PIPELINE: &str = "chat";
@@ -59,11 +76,7 @@ pub fn pipeline(stages: &[&str]) -> SessionPipeline {
             },
             stages,
             worker_image: None,
-            session: None,
-            retry: None,
-            stuck: None,
-            commit_interval_ms: None,
-            shutdown_timeout_ms: None,
+            defaults: StageSettings::default(),
             worker_template: None,
             disruption_budget: None,
         },
@@ -88,12 +101,8 @@ pub fn stage(name: &str, input: &str, output: Option<&str>) -> StageSpec {
         resources: None,
         replicas: ReplicasSpec::default(),
         autoscaling: AutoscalingSpec::default(),
-        session: None,
-        retry: None,
-        stuck: None,
+        settings: StageSettings::default(),
         rebalance: None,
-        commit_interval_ms: None,
-        shutdown_timeout_ms: None,
         dispatchers: None,
         dispatcher_capacity: None,
         session_idle_ms: None,
@@ -270,4 +279,109 @@ pub fn list(kind: &str, api_version: &str, items: &[Value]) -> Value {
         "metadata": { "resourceVersion": "1" },
         "items": items,
     })
+}
+
+/// The reporter the operator's events are published under.
+pub fn reporter() -> Reporter {
+    Reporter {
+        controller: "sessionflow-operator".into(),
+        instance: None,
+    }
+}
+
+/// A reconciler context on `client` with the test defaults (worker image
+/// `sessionflow-worker:test`, JSON logs, any image allowed).
+pub fn context(client: Client) -> Arc<Context> {
+    Arc::new(plain_context(client))
+}
+
+/// [`context`] before it is shared, for a test to set more (e.g. its leadership).
+pub fn plain_context(client: Client) -> Context {
+    Context::new(
+        client,
+        Defaults {
+            worker_image: "sessionflow-worker:test".into(),
+            log_format: "json".into(),
+            allowed_images: Vec::new(),
+        },
+        Metrics::new(),
+        reporter(),
+    )
+}
+
+/// A scaler (interval 15 s) over a store holding `pipelines`, the API server it talks to, the
+/// store's writer (to show the next pass a changed pipeline) and the scaler's metrics.
+pub fn scaler_of(
+    pipelines: &[SessionPipeline],
+) -> (Scaler, ApiServer, Writer<SessionPipeline>, Metrics) {
+    let (store, mut writer) = reflector::store();
+    writer.apply_watcher_event(&watcher::Event::Init);
+    for sp in pipelines {
+        writer.apply_watcher_event(&watcher::Event::InitApply(sp.clone()));
+    }
+    writer.apply_watcher_event(&watcher::Event::InitDone);
+    let (client, server) = mock_client();
+    let recorder = Recorder::new(client.clone(), reporter());
+    let metrics = Metrics::new();
+    let scaler = Scaler::new(
+        client,
+        store,
+        metrics.clone(),
+        recorder,
+        Duration::from_secs(15),
+        Arc::new(Notify::new()),
+    );
+    (scaler, server, writer, metrics)
+}
+
+/// A mock Kafka cluster (librdkafka's, in process) whose topic `topic` of `partitions`
+/// partitions holds `records` records nobody consumed.
+pub fn cluster_with_lag(
+    topic: &str,
+    partitions: i32,
+    records: usize,
+) -> MockCluster<'static, DefaultProducerContext> {
+    let cluster = MockCluster::new(1).unwrap();
+    cluster.create_topic(topic, partitions, 1).unwrap();
+    let producer: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", cluster.bootstrap_servers())
+        .create()
+        .unwrap();
+    for i in 0..records {
+        let key = format!("s{}", i % 50);
+        producer
+            .send(BaseRecord::<str, str>::to(topic).key(&key).payload("x"))
+            .unwrap();
+    }
+    producer.flush(Duration::from_secs(10)).unwrap();
+    cluster
+}
+
+/// Deployment `name` in namespace `shop` as the API server returns it: `replicas` asked for,
+/// `ready` of them ready.
+pub fn deployment(name: &str, replicas: i32, ready: i32) -> Value {
+    json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": { "name": name, "namespace": NAMESPACE },
+        "spec": {
+            "replicas": replicas,
+            "selector": { "matchLabels": { "app": "x" } },
+            "template": { "spec": { "containers": [{ "name": "worker" }] } },
+        },
+        "status": { "replicas": replicas, "readyReplicas": ready },
+    })
+}
+
+/// A pass clock that stands in for a wedged autoscaler loop: allowed 3 × 2 s + 1 s between
+/// passes, and the last pass (the start) was 30 s ago, so it is unhealthy until a pass
+/// completes.
+pub fn stalled_pass_clock() -> Arc<PassClock> {
+    let long_ago = Instant::now()
+        .checked_sub(Duration::from_secs(30))
+        .expect("the machine is up for more than 30 s");
+    Arc::new(PassClock::new(
+        Duration::from_secs(2),
+        Duration::from_secs(1),
+        long_ago,
+    ))
 }

@@ -11,19 +11,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::Method;
-use kube::runtime::events::{Recorder, Reporter};
-use kube::runtime::{reflector, watcher};
-use rdkafka::mocking::MockCluster;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use tokio::sync::Notify;
 
 use crate::crd::{SaslMechanism, SaslSpec, SessionPipeline};
-use crate::fixtures::{mock_client, pipeline, Seen, UID};
-use crate::metrics::Metrics;
-use crate::reconciler::{reconcile, Context};
-use crate::render::Defaults;
-use crate::scaler::Scaler;
+use crate::fixtures::{
+    cluster_with_lag, context, list, mock_client, pipeline, scaler_of, Seen, UID,
+};
+use crate::reconciler::reconcile;
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -74,7 +69,7 @@ fn answer(seen: &Seen, lists: &Value) -> Value {
         Method::GET if path.ends_with("/deployments") => lists["deployments"].clone(),
         Method::GET if path.ends_with("/services") => lists["services"].clone(),
         Method::GET if path.ends_with("/poddisruptionbudgets") => lists["budgets"].clone(),
-        Method::GET if path.ends_with("/pods") => list("Pod", "v1", vec![]),
+        Method::GET if path.ends_with("/pods") => list("Pod", "v1", &[]),
         Method::GET if path.contains("/deployments/") => json!({
             "apiVersion": "apps/v1", "kind": "Deployment",
             "metadata": { "name": path.rsplit('/').next().unwrap(), "namespace": "shop",
@@ -121,10 +116,6 @@ fn owner() -> Value {
             "name": "chat", "uid": UID, "controller": true })
 }
 
-fn list(kind: &str, version: &str, items: Vec<Value>) -> Value {
-    json!({"apiVersion": version, "kind": format!("{kind}List"), "metadata": {}, "items": items})
-}
-
 /// Objects of a stage `old` that the pipeline owns (so a reconcile removes them).
 fn stale_objects() -> Value {
     let meta = |name: &str| {
@@ -136,29 +127,17 @@ fn stale_objects() -> Value {
         })
     };
     json!({
-        "configmaps": list("ConfigMap", "v1", vec![json!({"metadata": meta("chat-old")})]),
-        "deployments": list("Deployment", "apps/v1", vec![json!({"metadata": meta("chat-old"),
+        "configmaps": list("ConfigMap", "v1", &[json!({"metadata": meta("chat-old")})]),
+        "deployments": list("Deployment", "apps/v1", &[json!({"metadata": meta("chat-old"),
             "spec": {"selector": {}, "template": {}}})]),
-        "services": list("Service", "v1", vec![json!({"metadata": meta("chat-old-metrics")})]),
-        "budgets": list("PodDisruptionBudget", "policy/v1", vec![json!({"metadata": meta("chat-old")})]),
+        "services": list("Service", "v1", &[json!({"metadata": meta("chat-old-metrics")})]),
+        "budgets": list("PodDisruptionBudget", "policy/v1", &[json!({"metadata": meta("chat-old")})]),
     })
 }
 
 async fn reconcile_calls(sp: SessionPipeline, lists: Value) -> Vec<Seen> {
     let (client, server) = mock_client();
-    let ctx = Arc::new(Context::new(
-        client,
-        Defaults {
-            worker_image: "w".into(),
-            log_format: "json".into(),
-            allowed_images: Vec::new(),
-        },
-        Metrics::new(),
-        Reporter {
-            controller: "sessionflow-operator".into(),
-            instance: None,
-        },
-    ));
+    let ctx = context(client);
     let answering =
         tokio::spawn(server.answer_all(Duration::from_millis(300), move |s| answer(s, &lists)));
     let _ = reconcile(Arc::new(sp), ctx).await;
@@ -182,8 +161,7 @@ async fn the_chart_grants_every_call_the_operator_makes() {
     seen.extend(reconcile_calls(invalid, stale_objects()).await);
 
     // An autoscaling pass that reads a SASL Secret, scales and reports.
-    let cluster = MockCluster::new(1).unwrap();
-    cluster.create_topic("t0", 2, 1).unwrap();
+    let cluster = cluster_with_lag("t0", 2, 0);
     let mut sp = pipeline(&["a"]);
     sp.spec.kafka.bootstrap_servers = cluster.bootstrap_servers();
     sp.spec.kafka.sasl = Some(SaslSpec {
@@ -195,26 +173,7 @@ async fn the_chart_grants_every_call_the_operator_makes() {
     });
     sp.spec.stages[0].replicas.min = 2;
     sp.spec.stages[0].replicas.max = 2;
-    let (store, mut writer) = reflector::store();
-    writer.apply_watcher_event(&watcher::Event::Init);
-    writer.apply_watcher_event(&watcher::Event::InitApply(sp));
-    writer.apply_watcher_event(&watcher::Event::InitDone);
-    let (client, server) = mock_client();
-    let recorder = Recorder::new(
-        client.clone(),
-        Reporter {
-            controller: "sessionflow-operator".into(),
-            instance: None,
-        },
-    );
-    let mut scaler = Scaler::new(
-        client,
-        store,
-        Metrics::new(),
-        recorder,
-        Duration::from_secs(60),
-        Arc::new(Notify::new()),
-    );
+    let (mut scaler, server, _writer, _) = scaler_of(&[sp]);
     let lists = stale_objects();
     let answering =
         tokio::spawn(server.answer_all(Duration::from_secs(3), move |s| answer(s, &lists)));

@@ -5,16 +5,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::Method;
-use kube::runtime::events::Reporter;
 use serde_json::{json, Value};
 
 use super::*;
 use crate::crd::SessionPipeline;
 use crate::fixtures::{
-    kafka_property, list, mock_client, pipeline, rebalance, ApiServer, Seen, UID,
+    context, kafka_property, list, mock_client, pipeline, plain_context, rebalance, ApiServer,
+    Seen, UID,
 };
-use crate::metrics::Metrics;
-use crate::render::Defaults;
 
 const CM: &str = "/api/v1/namespaces/shop/configmaps";
 const DEP: &str = "/apis/apps/v1/namespaces/shop/deployments";
@@ -23,22 +21,6 @@ const PDB: &str = "/apis/policy/v1/namespaces/shop/poddisruptionbudgets";
 const PODS: &str = "/api/v1/namespaces/shop/pods";
 const STATUS: &str = "/apis/sessionflow.io/v1alpha1/namespaces/shop/sessionpipelines/chat/status";
 const EVENTS: &str = "/apis/events.k8s.io/v1/namespaces/shop/events";
-
-fn context(client: kube::Client) -> Arc<Context> {
-    Arc::new(Context::new(
-        client,
-        Defaults {
-            worker_image: "sessionflow-worker:test".into(),
-            log_format: "json".into(),
-            allowed_images: Vec::new(),
-        },
-        Metrics::new(),
-        Reporter {
-            controller: "sessionflow-operator".into(),
-            instance: None,
-        },
-    ))
-}
 
 /// What a pass applied, as the API server would now return it.
 #[derive(Default, Clone)]
@@ -423,7 +405,7 @@ async fn a_poll_interval_below_the_session_timeout_is_refused_with_the_property_
 #[tokio::test]
 async fn a_shutdown_no_grace_period_can_hold_is_refused_at_the_pipeline_field() {
     let mut sp = pipeline(&["nlu"]);
-    sp.spec.shutdown_timeout_ms = Some(u64::MAX);
+    sp.spec.defaults.shutdown_timeout_ms = Some(u64::MAX);
     invalid_spec_pass(sp, |status| {
         let message = condition(status, "Degraded")["message"].as_str().unwrap();
         assert!(
@@ -994,22 +976,7 @@ async fn a_secret_that_did_not_opt_in_is_not_used() {
 async fn only_the_leader_reconciles() {
     let (switch, leadership) = crate::leader::Leadership::channel(false);
     let (client, mut server) = mock_client();
-    let ctx = Arc::new(
-        Context::new(
-            client,
-            Defaults {
-                worker_image: "sessionflow-worker:test".into(),
-                log_format: "json".into(),
-                allowed_images: Vec::new(),
-            },
-            Metrics::new(),
-            Reporter {
-                controller: "sessionflow-operator".into(),
-                instance: None,
-            },
-        )
-        .with_leadership(leadership),
-    );
+    let ctx = Arc::new(plain_context(client).with_leadership(leadership));
     let sp = Arc::new(pipeline(&["nlu"]));
     let action = tokio::time::timeout(Duration::from_secs(1), reconcile(sp.clone(), ctx.clone()))
         .await

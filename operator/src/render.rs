@@ -21,7 +21,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{Resource, ResourceExt};
 use serde::Serialize;
 use serde_json::{json, Map, Value};
-use sessionflow_worker::config::StageConfig;
+use sessionflow_worker::config::{StageConfig, StageSettings};
 use sha2::{Digest, Sha256};
 
 use crate::crd::{DisruptionBudgetSpec, KafkaSpec, SessionPipeline, StageSpec, WorkerTemplate};
@@ -347,7 +347,7 @@ fn check_timeouts(
     let property = |key: &str| format!("spec.kafka.properties[{key}]");
     let t = timeouts::Timeouts::from_config(
         config.rebalance.drain_timeout_ms,
-        config.shutdown_timeout_ms,
+        config.settings.shutdown_timeout_ms(),
         &config.kafka,
     )
     .map_err(|(key, message)| SpecError::new(property(key), message))?;
@@ -361,7 +361,10 @@ fn check_timeouts(
             stage.rebalance.is_some(),
         ),
         timeouts::Setting::ShutdownTimeout => {
-            match (stage.shutdown_timeout_ms, sp.spec.shutdown_timeout_ms) {
+            match (
+                stage.settings.shutdown_timeout_ms,
+                sp.spec.defaults.shutdown_timeout_ms,
+            ) {
                 (None, Some(_)) => ("spec.shutdownTimeoutMs".to_string(), true),
                 (own, _) => (
                     format!("spec.stages[{index}].shutdownTimeoutMs"),
@@ -378,6 +381,8 @@ fn check_timeouts(
 }
 
 /// The worker config of a stage: stage settings over pipeline defaults over worker defaults.
+/// What a stage and its pipeline both may set is one typed [`StageSettings`], laid over field
+/// by field ([`StageSettings::over`]); the stage-only keys are copied over by name.
 fn stage_config(sp: &SessionPipeline, stage: &StageSpec) -> Result<StageConfig, serde_json::Error> {
     let spec = &sp.spec;
     let namespace = sp.namespace().unwrap_or_default();
@@ -402,37 +407,7 @@ fn stage_config(sp: &SessionPipeline, stage: &StageSpec) -> Result<StageConfig, 
         }
     };
     put("output", stage.output.as_ref().map(|o| json!(o)));
-    put(
-        "session",
-        to_value(stage.session.as_ref().or(spec.session.as_ref()))?,
-    );
-    put(
-        "retry",
-        to_value(stage.retry.as_ref().or(spec.retry.as_ref()))?,
-    );
-    put(
-        "stuck",
-        to_value(stage.stuck.as_ref().or(spec.stuck.as_ref()))?,
-    );
     put("rebalance", to_value(stage.rebalance.as_ref())?);
-    put(
-        "commitIntervalMs",
-        to_value(
-            stage
-                .commit_interval_ms
-                .or(spec.commit_interval_ms)
-                .as_ref(),
-        )?,
-    );
-    put(
-        "shutdownTimeoutMs",
-        to_value(
-            stage
-                .shutdown_timeout_ms
-                .or(spec.shutdown_timeout_ms)
-                .as_ref(),
-        )?,
-    );
     put("dispatchers", to_value(stage.dispatchers.as_ref())?);
     put(
         "dispatcherCapacity",
@@ -450,7 +425,12 @@ fn stage_config(sp: &SessionPipeline, stage: &StageSpec) -> Result<StageConfig, 
     );
     put("lagIntervalMs", to_value(stage.lag_interval_ms.as_ref())?);
     put("otlpEndpoint", to_value(stage.otlp_endpoint.as_ref())?);
-    serde_json::from_value(Value::Object(v))
+    let mut config: StageConfig = serde_json::from_value(Value::Object(v))?;
+    config.settings = stage
+        .settings
+        .over(&spec.defaults)
+        .over(&StageSettings::worker_defaults());
+    Ok(config)
 }
 
 fn to_value<T: Serialize>(v: Option<&T>) -> Result<Option<Value>, serde_json::Error> {
@@ -600,12 +580,12 @@ mod tests {
     #[test]
     fn stage_settings_override_pipeline_defaults_which_override_worker_defaults() {
         let mut sp = pipeline(&["nlu", "llm"]);
-        sp.spec.retry = Some(sessionflow_worker::config::RetryConfig {
+        sp.spec.defaults.retry = Some(sessionflow_worker::config::RetryConfig {
             max_attempts: 3,
             ..Default::default()
         });
-        sp.spec.shutdown_timeout_ms = Some(20_000);
-        sp.spec.stages[1].retry = Some(sessionflow_worker::config::RetryConfig {
+        sp.spec.defaults.shutdown_timeout_ms = Some(20_000);
+        sp.spec.stages[1].settings.retry = Some(sessionflow_worker::config::RetryConfig {
             max_attempts: 9,
             ..Default::default()
         });
@@ -613,8 +593,8 @@ mod tests {
         sp.spec.stages[1].prefetch_kbytes = Some(8_192);
         sp.spec.stages[1].prefetch_records = Some(4_096);
         let plans = plan(&sp, &defaults()).unwrap();
-        assert_eq!(plans[0].config.retry.max_attempts, 3);
-        assert_eq!(plans[1].config.retry.max_attempts, 9);
+        assert_eq!(plans[0].config.settings.retry().max_attempts, 3);
+        assert_eq!(plans[1].config.settings.retry().max_attempts, 9);
         assert_eq!(plans[0].config.dispatchers, 8, "worker default");
         assert_eq!(plans[1].config.dispatchers, 3);
         assert_eq!(
@@ -625,12 +605,12 @@ mod tests {
         assert_eq!(plans[1].config.prefetch_kbytes, 8_192);
         assert_eq!(plans[0].config.prefetch_records, 16_384, "worker default");
         assert_eq!(plans[1].config.prefetch_records, 4_096);
-        assert_eq!(plans[1].config.shutdown_timeout_ms, 20_000);
+        assert_eq!(plans[1].config.settings.shutdown_timeout_ms(), 20_000);
         // The pod outlives the worker's own shutdown (drain + shutdown timeout + close).
         let grace = pod(&plans[1]).termination_grace_period_seconds.unwrap();
         let worker_ms = timeouts::worst_shutdown_ms(
             plans[1].config.rebalance.drain_timeout_ms,
-            plans[1].config.shutdown_timeout_ms,
+            plans[1].config.settings.shutdown_timeout_ms(),
         )
         .unwrap();
         assert!(
@@ -642,7 +622,7 @@ mod tests {
         // What the ConfigMap holds is what the worker parses.
         let yaml = &plans[1].config_map.data.as_ref().unwrap()["stage.yaml"];
         let parsed = StageConfig::from_yaml(yaml).unwrap();
-        assert_eq!(parsed.retry, plans[1].config.retry);
+        assert_eq!(parsed.settings.retry, plans[1].config.settings.retry);
         assert_eq!(parsed.prefetch_kbytes, 8_192);
         assert_eq!(parsed.prefetch_records, 4_096);
         assert_eq!(parsed.group_id(), group_id("shop", "chat", "llm"));
@@ -659,7 +639,7 @@ mod tests {
         let before = hash_of(&sp);
         assert_eq!(before, hash_of(&sp.clone()), "rendering is deterministic");
         let mut changed = sp.clone();
-        changed.spec.stages[0].commit_interval_ms = Some(250);
+        changed.spec.stages[0].settings.commit_interval_ms = Some(250);
         assert_ne!(before, hash_of(&changed));
         let p1 = &plan(&sp, &defaults()).unwrap()[0];
         let p2 = &plan(&changed, &defaults()).unwrap()[0];
@@ -735,9 +715,9 @@ mod tests {
     #[test]
     fn the_grace_period_and_the_liveness_probe_follow_the_timeouts() {
         let mut sp = pipeline(&["nlu", "llm"]);
-        sp.spec.shutdown_timeout_ms = Some(120_000);
+        sp.spec.defaults.shutdown_timeout_ms = Some(120_000);
         sp.spec.stages[1].rebalance = Some(crate::fixtures::rebalance(45_000));
-        sp.spec.stages[1].shutdown_timeout_ms = Some(1_500);
+        sp.spec.stages[1].settings.shutdown_timeout_ms = Some(1_500);
         let plans = plan(&sp, &defaults()).unwrap();
         let grace = |p: &StagePlan| pod(p).termination_grace_period_seconds.unwrap();
         // shutdown + 3 × drain + 10 s fence + 2 × 5 s commits + 2 × 10 s close + 10 s slack.
@@ -807,12 +787,12 @@ mod tests {
                 "\"0\" is not a number of milliseconds in [1, 3600000]",
             ),
             (
-                Box::new(|sp| sp.spec.shutdown_timeout_ms = Some(u64::MAX)),
+                Box::new(|sp| sp.spec.defaults.shutdown_timeout_ms = Some(u64::MAX)),
                 "spec.shutdownTimeoutMs",
                 "18446744073709551615 ms cannot finish before any pod grace period",
             ),
             (
-                Box::new(|sp| sp.spec.stages[1].shutdown_timeout_ms = Some(u64::MAX - 1)),
+                Box::new(|sp| sp.spec.stages[1].settings.shutdown_timeout_ms = Some(u64::MAX - 1)),
                 "spec.stages[1].shutdownTimeoutMs",
                 "18446744073709551614 ms cannot finish before any pod grace period",
             ),
@@ -828,7 +808,7 @@ mod tests {
         let mut sp = pipeline(&["nlu", "llm"]);
         set(&mut sp, "max.poll.interval.ms", "60000");
         sp.spec.stages[0].rebalance = Some(rebalance(27_499));
-        sp.spec.shutdown_timeout_ms = Some(3_600_000);
+        sp.spec.defaults.shutdown_timeout_ms = Some(3_600_000);
         plan(&sp, &defaults()).unwrap();
     }
 
@@ -1248,7 +1228,7 @@ sidecars:
             ),
             (
                 Box::new(|sp| {
-                    sp.spec.retry = Some(sessionflow_worker::config::RetryConfig {
+                    sp.spec.defaults.retry = Some(sessionflow_worker::config::RetryConfig {
                         initial_backoff_ms: 500,
                         max_backoff_ms: 100,
                         ..Default::default()

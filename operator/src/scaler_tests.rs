@@ -1,92 +1,31 @@
 //! Autoscaling passes against a scripted API server and a real Kafka-protocol broker
-//! (librdkafka's mock cluster): who may write `spec.replicas` (external mode, the pause
-//! annotation) and what the `Autoscaling` condition says.
+//! (librdkafka's mock cluster): a pass that scales and reports, who may write `spec.replicas`
+//! (external mode, the pause annotation) and what the `Autoscaling` condition says. The
+//! harness (scaler, cluster, Deployment) is in [`crate::fixtures`].
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use http::Method;
-use kube::runtime::events::{Recorder, Reporter};
-use kube::runtime::reflector::{self, store::Writer};
 use kube::runtime::watcher;
-use rdkafka::config::ClientConfig;
-use rdkafka::mocking::MockCluster;
-use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use serde_json::{json, Value};
-use tokio::sync::Notify;
 
 use super::*;
 use crate::crd::{AutoscalingMode, SaslMechanism, SaslSpec};
-use crate::fixtures::{mock_client, pipeline, ApiServer, Seen};
-use crate::liveness::PassClock;
+use crate::fixtures::{
+    cluster_with_lag, deployment, pipeline, scaler_of, stalled_pass_clock, Seen,
+};
 
 const DEP: &str = "/apis/apps/v1/namespaces/shop/deployments/chat-nlu";
 const STATUS: &str = "/apis/sessionflow.io/v1alpha1/namespaces/shop/sessionpipelines/chat/status";
 
-pub(super) fn deployment(name: &str, replicas: i32) -> Value {
-    json!({
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": { "name": name, "namespace": "shop" },
-        "spec": {
-            "replicas": replicas,
-            "selector": { "matchLabels": { "app": "x" } },
-            "template": { "spec": { "containers": [{ "name": "worker" }] } },
-        },
-        "status": { "replicas": replicas, "readyReplicas": replicas },
+/// One pass of `scaler` in a task that gives the scaler back for the next pass.
+fn spawn_pass(mut scaler: Scaler) -> tokio::task::JoinHandle<Scaler> {
+    tokio::spawn(async move {
+        scaler.tick().await;
+        scaler
     })
-}
-
-/// A mock cluster whose topic `topic` holds `records` records nobody consumed.
-pub(super) fn cluster_with_lag(
-    topic: &str,
-    partitions: i32,
-    records: usize,
-) -> MockCluster<'static, rdkafka::producer::DefaultProducerContext> {
-    let cluster = MockCluster::new(1).unwrap();
-    cluster.create_topic(topic, partitions, 1).unwrap();
-    let producer: BaseProducer = ClientConfig::new()
-        .set("bootstrap.servers", cluster.bootstrap_servers())
-        .create()
-        .unwrap();
-    for i in 0..records {
-        let key = format!("s{}", i % 50);
-        producer
-            .send(BaseRecord::<str, str>::to(topic).key(&key).payload("x"))
-            .unwrap();
-    }
-    producer.flush(Duration::from_secs(10)).unwrap();
-    cluster
-}
-
-/// A scaler over a store holding `pipelines`, and the API server it talks to.
-pub(super) fn scaler_of(
-    pipelines: &[SessionPipeline],
-) -> (Scaler, ApiServer, Writer<SessionPipeline>, Metrics) {
-    let (store, mut writer) = reflector::store();
-    writer.apply_watcher_event(&watcher::Event::Init);
-    for sp in pipelines {
-        writer.apply_watcher_event(&watcher::Event::InitApply(sp.clone()));
-    }
-    writer.apply_watcher_event(&watcher::Event::InitDone);
-    let (client, server) = mock_client();
-    let recorder = Recorder::new(
-        client.clone(),
-        Reporter {
-            controller: "sessionflow-operator".into(),
-            instance: None,
-        },
-    );
-    let metrics = Metrics::new();
-    let scaler = Scaler::new(
-        client,
-        store,
-        metrics.clone(),
-        recorder,
-        Duration::from_secs(15),
-        Arc::new(Notify::new()),
-    );
-    (scaler, server, writer, metrics)
 }
 
 fn autoscaling(status_patch: &Seen) -> Value {
@@ -122,6 +61,81 @@ fn shown(sp: &SessionPipeline, status_patch: &Seen) -> SessionPipeline {
     sp
 }
 
+/// One autoscaling pass with lag read from a real Kafka-protocol broker (librdkafka's mock
+/// cluster, in process) and a scripted API server: 2,500 records of lag at 1,000 per
+/// replica on 4 partitions → 3 replicas, applied under the autoscaler's own field manager,
+/// announced, and reported in the status. A second pass with nothing new writes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pass_reads_lag_scales_the_deployment_and_reports_it() {
+    let cluster = cluster_with_lag("t0", 4, 2_500);
+    let mut sp = pipeline(&["nlu"]);
+    sp.spec.kafka.bootstrap_servers = cluster.bootstrap_servers();
+    sp.spec.stages[0].replicas.max = 10;
+    let (scaler, mut server, mut writer, metrics) = scaler_of(std::slice::from_ref(&sp));
+    let pass = spawn_pass(scaler);
+    server
+        .expect(Method::GET, DEP, |_| deployment("chat-nlu", 1, 1))
+        .await;
+    let scale = server
+        .expect(Method::PATCH, DEP, |_| deployment("chat-nlu", 3, 1))
+        .await;
+    assert!(
+        scale.query_has("fieldManager=sessionflow-autoscaler"),
+        "{}",
+        scale.uri
+    );
+    assert_eq!(
+        scale.body["spec"],
+        json!({ "replicas": 3 }),
+        "only replicas are applied"
+    );
+    let event = server
+        .expect(
+            Method::POST,
+            "/apis/events.k8s.io/v1/namespaces/shop/events",
+            |s: &Seen| s.body.clone(),
+        )
+        .await;
+    assert_eq!(event.body["reason"], "ScaledUp");
+    assert!(event.body["note"].as_str().unwrap().contains("1 → 3"));
+    let status = server.expect(Method::PATCH, STATUS, status_echo(&sp)).await;
+    let stage = &status.body["status"]["stages"][0];
+    assert_eq!(stage["name"], "nlu");
+    assert_eq!(stage["lag"], 2_500);
+    assert_eq!(stage["effectiveLag"], 2_500);
+    assert_eq!(stage["partitions"], 4);
+    assert_eq!(stage["desiredReplicas"], 3);
+    assert_eq!(stage["readyReplicas"], 1);
+    assert!(stage["lastScaleReason"]
+        .as_str()
+        .unwrap()
+        .contains("above 1000 per replica"));
+    assert_eq!(status.body["status"]["lag"], 2_500);
+    server.expect_silence(Duration::from_millis(200)).await;
+    let scaler = pass.await.unwrap();
+    let rendered = metrics.render();
+    assert!(rendered.contains(
+        r#"sessionflow_stage_replicas_desired{namespace="shop",pipeline="chat",stage="nlu"} 3"#
+    ));
+    assert!(rendered.contains(
+        r#"sessionflow_stage_effective_lag{namespace="shop",pipeline="chat",stage="nlu"} 2500"#
+    ));
+
+    // The status is now what the pipeline shows; the next pass only reads.
+    writer.apply_watcher_event(&watcher::Event::Apply(shown(&sp, &status)));
+    let pass = spawn_pass(scaler);
+    server
+        .expect(Method::GET, DEP, |_| deployment("chat-nlu", 3, 1))
+        .await;
+    server.expect_silence(Duration::from_millis(300)).await;
+    let scaler = pass.await.unwrap();
+    assert_eq!(
+        scaler.lag_readers.lock().unwrap().created(),
+        1,
+        "the second pass reads with the first pass's client"
+    );
+}
+
 /// External mode: 2,500 records of lag would ask the built-in autoscaler for 3 replicas, and
 /// the Deployment's 20 replicas are above `replicas.max` (which the built-in one would enforce
 /// at once) — yet nothing is written to the Deployment. The lag is still read and exported
@@ -135,18 +149,15 @@ async fn an_external_stage_never_gets_its_replicas_written() {
     sp.spec.kafka.bootstrap_servers = cluster.bootstrap_servers();
     sp.spec.stages[0].replicas.max = 10;
     sp.spec.stages[0].autoscaling.mode = AutoscalingMode::External;
-    let (mut scaler, mut server, mut writer, metrics) = scaler_of(std::slice::from_ref(&sp));
+    let (scaler, mut server, mut writer, metrics) = scaler_of(std::slice::from_ref(&sp));
 
-    let pass = tokio::spawn(async move {
-        scaler.tick().await;
-        scaler
-    });
+    let pass = spawn_pass(scaler);
     server
-        .expect(Method::GET, DEP, |_| deployment("chat-nlu", 20))
+        .expect(Method::GET, DEP, |_| deployment("chat-nlu", 20, 20))
         .await;
     let status = server.expect(Method::PATCH, STATUS, status_echo(&sp)).await;
     server.expect_silence(Duration::from_millis(300)).await;
-    let mut scaler = pass.await.unwrap();
+    let scaler = pass.await.unwrap();
     let stage = &status.body["status"]["stages"][0];
     assert_eq!(stage["effectiveLag"], 2_500);
     assert_eq!(stage["desiredReplicas"], 20, "what the external owner set");
@@ -168,12 +179,12 @@ async fn an_external_stage_never_gets_its_replicas_written() {
     let mut lag_mode = shown(&sp, &status);
     lag_mode.spec.stages[0].autoscaling.mode = AutoscalingMode::Lag;
     writer.apply_watcher_event(&watcher::Event::Apply(lag_mode.clone()));
-    let pass = tokio::spawn(async move { scaler.tick().await });
+    let pass = spawn_pass(scaler);
     server
-        .expect(Method::GET, DEP, |_| deployment("chat-nlu", 20))
+        .expect(Method::GET, DEP, |_| deployment("chat-nlu", 20, 20))
         .await;
     let scale = server
-        .expect(Method::PATCH, DEP, |_| deployment("chat-nlu", 10))
+        .expect(Method::PATCH, DEP, |_| deployment("chat-nlu", 10, 10))
         .await;
     assert_eq!(scale.body["spec"], json!({ "replicas": 10 }));
     server
@@ -191,18 +202,15 @@ async fn a_paused_pipeline_is_left_as_it_is_until_resumed() {
     sp.spec.kafka.bootstrap_servers = cluster.bootstrap_servers();
     sp.spec.stages[0].replicas.max = 10;
     let sp = paused(sp);
-    let (mut scaler, mut server, mut writer, _) = scaler_of(std::slice::from_ref(&sp));
+    let (scaler, mut server, mut writer, _) = scaler_of(std::slice::from_ref(&sp));
 
-    let pass = tokio::spawn(async move {
-        scaler.tick().await;
-        scaler
-    });
+    let pass = spawn_pass(scaler);
     server
-        .expect(Method::GET, DEP, |_| deployment("chat-nlu", 20))
+        .expect(Method::GET, DEP, |_| deployment("chat-nlu", 20, 20))
         .await;
     let status = server.expect(Method::PATCH, STATUS, status_echo(&sp)).await;
     server.expect_silence(Duration::from_millis(300)).await;
-    let mut scaler = pass.await.unwrap();
+    let scaler = pass.await.unwrap();
     let condition = autoscaling(&status);
     assert_eq!(
         (&condition["status"], &condition["reason"]),
@@ -217,26 +225,23 @@ async fn a_paused_pipeline_is_left_as_it_is_until_resumed() {
     // A second paused pass changes nothing and writes nothing.
     let again = shown(&sp, &status);
     writer.apply_watcher_event(&watcher::Event::Apply(again.clone()));
-    let pass = tokio::spawn(async move {
-        scaler.tick().await;
-        scaler
-    });
+    let pass = spawn_pass(scaler);
     server
-        .expect(Method::GET, DEP, |_| deployment("chat-nlu", 20))
+        .expect(Method::GET, DEP, |_| deployment("chat-nlu", 20, 20))
         .await;
     server.expect_silence(Duration::from_millis(300)).await;
-    let mut scaler = pass.await.unwrap();
+    let scaler = pass.await.unwrap();
 
     // Resumed: scaled within bounds, and the condition turns Active.
     let mut resumed = again;
     resumed.metadata.annotations = None;
     writer.apply_watcher_event(&watcher::Event::Apply(resumed.clone()));
-    let pass = tokio::spawn(async move { scaler.tick().await });
+    let pass = spawn_pass(scaler);
     server
-        .expect(Method::GET, DEP, |_| deployment("chat-nlu", 20))
+        .expect(Method::GET, DEP, |_| deployment("chat-nlu", 20, 20))
         .await;
     let scale = server
-        .expect(Method::PATCH, DEP, |_| deployment("chat-nlu", 10))
+        .expect(Method::PATCH, DEP, |_| deployment("chat-nlu", 10, 10))
         .await;
     assert_eq!(scale.body["spec"], json!({ "replicas": 10 }));
     let seen = server
@@ -271,8 +276,8 @@ async fn a_lag_that_cannot_be_read_is_a_fallback_with_the_reason() {
         password_key: "password".into(),
         allow_plain_without_tls: false,
     });
-    let (mut scaler, mut server, _writer, _) = scaler_of(std::slice::from_ref(&sp));
-    let pass = tokio::spawn(async move { scaler.tick().await });
+    let (scaler, mut server, _writer, _) = scaler_of(std::slice::from_ref(&sp));
+    let pass = spawn_pass(scaler);
     server
         .fail(
             Method::GET,
@@ -281,7 +286,7 @@ async fn a_lag_that_cannot_be_read_is_a_fallback_with_the_reason() {
         )
         .await;
     server
-        .expect(Method::GET, DEP, |_| deployment("chat-nlu", 1))
+        .expect(Method::GET, DEP, |_| deployment("chat-nlu", 1, 1))
         .await;
     let status = server.expect(Method::PATCH, STATUS, status_echo(&sp)).await;
     server.expect_silence(Duration::from_millis(300)).await;
@@ -341,12 +346,9 @@ async fn an_unreachable_cluster_delays_only_its_own_pipeline() {
     edge.spec.kafka.bootstrap_servers = silent;
     edge.spec.stages[0].replicas.max = 10;
     let (scaler, mut server, _writer, metrics) = scaler_of(&[edge.clone(), shop.clone()]);
-    let mut scaler = scaler.with_lag_deadline(Duration::from_secs(5));
+    let scaler = scaler.with_lag_deadline(Duration::from_secs(5));
     let passes = scaler.passes.clone();
-    let pass = tokio::spawn(async move {
-        scaler.tick().await;
-        scaler
-    });
+    let pass = spawn_pass(scaler);
 
     tokio::time::timeout(Duration::from_secs(5), async {
         while accepted.load(std::sync::atomic::Ordering::SeqCst) == 0 {
@@ -356,10 +358,10 @@ async fn an_unreachable_cluster_delays_only_its_own_pipeline() {
     .await
     .expect("the edge pipeline's lag read reached its broker");
     server
-        .expect(Method::GET, DEP, |_| deployment("chat-nlu", 1))
+        .expect(Method::GET, DEP, |_| deployment("chat-nlu", 1, 1))
         .await;
     let scale = server
-        .expect(Method::PATCH, DEP, |_| deployment("chat-nlu", 3))
+        .expect(Method::PATCH, DEP, |_| deployment("chat-nlu", 3, 3))
         .await;
     assert_eq!(scale.body["spec"], json!({ "replicas": 3 }));
     server
@@ -384,7 +386,7 @@ async fn an_unreachable_cluster_delays_only_its_own_pipeline() {
         .expect(
             Method::GET,
             "/apis/apps/v1/namespaces/edge/deployments/chat-nlu",
-            |_| deployment("chat-nlu", 2),
+            |_| deployment("chat-nlu", 2, 2),
         )
         .await;
     let edge_status = server
@@ -428,15 +430,7 @@ async fn only_the_leader_scales() {
     sp.spec.kafka.bootstrap_servers = "127.0.0.1:1".into();
     let (switch, leadership) = crate::leader::Leadership::channel(false);
     let (scaler, mut server, _writer, metrics) = scaler_of(std::slice::from_ref(&sp));
-    // Allowed: 3 × 2 s + 1 s; the last pass (the start) was 30 s ago.
-    let long_ago = std::time::Instant::now()
-        .checked_sub(Duration::from_secs(30))
-        .expect("the machine is up for more than 30 s");
-    let passes = Arc::new(PassClock::new(
-        Duration::from_secs(2),
-        Duration::from_secs(1),
-        long_ago,
-    ));
+    let passes = stalled_pass_clock();
     let mut scaler = scaler
         .with_leadership(leadership)
         .with_pass_clock(passes.clone())
@@ -452,10 +446,10 @@ async fn only_the_leader_scales() {
         .contains("sessionflow_operator_scaler_pass_seconds_count 1"));
 
     switch.set(true);
-    let pass = tokio::spawn(async move { scaler.tick().await });
+    let pass = spawn_pass(scaler);
     // Leading: the pipeline's lag is read and its Deployment too.
     server
-        .expect(Method::GET, DEP, |_| deployment("chat-nlu", 1))
+        .expect(Method::GET, DEP, |_| deployment("chat-nlu", 1, 1))
         .await;
     pass.abort();
 }

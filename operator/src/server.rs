@@ -75,11 +75,10 @@ async fn readyz(State(s): State<AppState>) -> (StatusCode, &'static str) {
 
 #[cfg(test)]
 mod tests {
-    use std::time::{Duration, Instant};
-
     use std::io::{Read, Write};
 
     use super::*;
+    use crate::fixtures::stalled_pass_clock;
 
     /// The status line of `GET path` (plain HTTP/1.1 over a blocking socket).
     async fn get_status(addr: SocketAddr, path: &str) -> String {
@@ -100,15 +99,7 @@ mod tests {
     /// the allowance (a clock that started long enough ago stands in for a wedged loop).
     #[tokio::test]
     async fn healthz_fails_when_the_autoscaler_loop_stops_completing_passes() {
-        // Allowed: 3 × 2 s + 1 s; the last pass (the start) was 30 s ago.
-        let long_ago = Instant::now()
-            .checked_sub(Duration::from_secs(30))
-            .expect("the machine is up for more than 30 s");
-        let passes = Arc::new(PassClock::new(
-            Duration::from_secs(2),
-            Duration::from_secs(1),
-            long_ago,
-        ));
+        let passes = stalled_pass_clock();
         let (addr, _task) = serve(
             "127.0.0.1:0".parse().unwrap(),
             Metrics::new(),

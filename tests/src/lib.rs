@@ -15,7 +15,7 @@ use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Offset, TopicPartitionList};
 use sessionflow_worker::config::{
-    BuiltinHandlerConfig, HandlerConfig, RetryConfig, CLASSIC_ONLY_KAFKA_KEYS,
+    BuiltinHandlerConfig, HandlerConfig, RetryConfig, StageSettings, CLASSIC_ONLY_KAFKA_KEYS,
 };
 use sessionflow_worker::record::header;
 use sessionflow_worker::{Handler, HandlerError, HandlerResult, InputRecord, StageConfig};
@@ -89,17 +89,20 @@ impl Topics {
             input: self.input.clone(),
             output: Some(self.output.clone()),
             dlq: self.dlq.clone(),
-            session: Default::default(),
             handler,
-            retry: RetryConfig {
-                initial_backoff_ms: 1,
-                max_backoff_ms: 20,
-                multiplier: 2.0,
-                max_attempts: 0,
+            settings: StageSettings {
+                session: Some(Default::default()),
+                retry: Some(RetryConfig {
+                    initial_backoff_ms: 1,
+                    max_backoff_ms: 20,
+                    multiplier: 2.0,
+                    max_attempts: 0,
+                }),
+                stuck: Some(Default::default()),
+                commit_interval_ms: Some(200),
+                shutdown_timeout_ms: Some(10_000),
             },
-            stuck: Default::default(),
             rebalance: Default::default(),
-            commit_interval_ms: 200,
             lag_interval_ms: 500,
             otlp_endpoint: None,
             dispatchers: 4,
@@ -108,7 +111,6 @@ impl Topics {
             max_in_flight_per_partition: 2_000,
             prefetch_kbytes: sessionflow_worker::config::defaults::prefetch_kbytes(),
             prefetch_records: sessionflow_worker::config::defaults::prefetch_records(),
-            shutdown_timeout_ms: 10_000,
             shutdown_drain_queued: false,
             metrics_addr: None,
             kafka,

@@ -1,7 +1,9 @@
 //! The stage configuration: one YAML file per worker process.
 //!
 //! Keys are camelCase and carry the same names as a stage of the `SessionPipeline` custom
-//! resource, so the operator can render this file from the resource without translation. A bad
+//! resource, so the operator can render this file from the resource without translation; the
+//! settings a pipeline may also set for all its stages are one type, [`StageSettings`], that
+//! both this file and the resource flatten in. A bad
 //! file must stop the worker before it touches Kafka, with a message that names the key: parse
 //! errors carry their path (`retry.multiplier: invalid type …`) and [`StageConfig::validate`]
 //! checks what types cannot (ranges, topic relations).
@@ -34,22 +36,15 @@ pub struct StageConfig {
     pub output: Option<String>,
     /// Dead-letter topic for poison records and records that exhausted their retries.
     pub dlq: String,
-    /// Where the session id of a record comes from.
-    #[serde(default)]
-    pub session: SessionSource,
     /// What processes a record.
     pub handler: HandlerConfig,
-    #[serde(default)]
-    pub retry: RetryConfig,
-    /// What happens to a record whose handler does not finish in time.
-    #[serde(default)]
-    pub stuck: StuckConfig,
+    /// The settings a pipeline may also set for all its stages (`session`, `retry`, `stuck`,
+    /// `commitIntervalMs`, `shutdownTimeoutMs`), at this level of the file.
+    #[serde(flatten)]
+    pub settings: StageSettings,
     /// How partitions move between workers of the group.
     #[serde(default)]
     pub rebalance: RebalanceConfig,
-    /// How often the contiguous watermark is committed.
-    #[serde(default = "defaults::commit_interval_ms")]
-    pub commit_interval_ms: u64,
     /// Number of dispatcher tasks the sessions are hashed onto.
     #[serde(default = "defaults::dispatchers")]
     pub dispatchers: usize,
@@ -89,9 +84,6 @@ pub struct StageConfig {
     /// partition's next owner, so a rolling restart takes about one handler call.
     #[serde(default)]
     pub shutdown_drain_queued: bool,
-    /// How long a shutdown waits for sessions to finish before giving up on the rest.
-    #[serde(default = "defaults::shutdown_timeout_ms")]
-    pub shutdown_timeout_ms: u64,
     /// Address of `/metrics`, `/healthz` and `/readyz`; none disables the server.
     #[serde(default = "defaults::metrics_addr")]
     pub metrics_addr: Option<SocketAddr>,
@@ -101,6 +93,102 @@ pub struct StageConfig {
     /// Extra librdkafka properties for the consumer and the producers, passed through.
     #[serde(default)]
     pub kafka: BTreeMap<String, String>,
+}
+
+/// The settings a stage and a pipeline's defaults both have, written once: flattened into the
+/// worker's [`StageConfig`] and into the `SessionPipeline` resource's stages and spec (same
+/// camelCase keys at the same level everywhere). Each is unset unless written, so the
+/// operator can lay a stage's own values over its pipeline's ([`StageSettings::over`]); the
+/// worker's default fills what neither sets (the accessors, e.g. [`StageSettings::retry`]).
+///
+/// No schema defaults on purpose: on Kubernetes the API server would fill them in at both
+/// levels, and a stage would then always hide its pipeline's value.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct StageSettings {
+    /// Where the session id of a record comes from (default: the record key). On a stage it
+    /// overrides `spec.session`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<SessionSource>,
+    /// In-place retries of transient failures. On a stage it overrides `spec.retry`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry: Option<RetryConfig>,
+    /// What happens to a record whose handler does not finish in time. On a stage it overrides
+    /// `spec.stuck`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stuck: Option<StuckConfig>,
+    /// How often the contiguous watermark is committed (default 1000). On a stage it overrides
+    /// `spec.commitIntervalMs`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
+    pub commit_interval_ms: Option<u64>,
+    /// How long a shutdown waits for sessions to finish before giving up on the rest (default
+    /// 20000). On a stage it overrides `spec.shutdownTimeoutMs`. On Kubernetes the pods'
+    /// `terminationGracePeriodSeconds` follows it: shutdown timeout + 3 × drain timeout + 50 s
+    /// (the shutdown fence, commits, the worker's close, slack).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
+    pub shutdown_timeout_ms: Option<u64>,
+}
+
+impl StageSettings {
+    /// `self`, with what it leaves unset taken from `defaults`, field by field: a stage's
+    /// settings over its pipeline's, or anything over [`StageSettings::worker_defaults`].
+    pub fn over(&self, defaults: &StageSettings) -> StageSettings {
+        let StageSettings {
+            session,
+            retry,
+            stuck,
+            commit_interval_ms,
+            shutdown_timeout_ms,
+        } = self;
+        StageSettings {
+            session: session.clone().or_else(|| defaults.session.clone()),
+            retry: retry.or(defaults.retry),
+            stuck: stuck.or(defaults.stuck),
+            commit_interval_ms: commit_interval_ms.or(defaults.commit_interval_ms),
+            shutdown_timeout_ms: shutdown_timeout_ms.or(defaults.shutdown_timeout_ms),
+        }
+    }
+
+    /// Every setting at the worker's default.
+    pub fn worker_defaults() -> StageSettings {
+        StageSettings {
+            session: Some(SessionSource::default()),
+            retry: Some(RetryConfig::default()),
+            stuck: Some(StuckConfig::default()),
+            commit_interval_ms: Some(defaults::commit_interval_ms()),
+            shutdown_timeout_ms: Some(defaults::shutdown_timeout_ms()),
+        }
+    }
+
+    /// Where the session id comes from, the default if unset.
+    pub fn session(&self) -> SessionSource {
+        self.session.clone().unwrap_or_default()
+    }
+
+    /// The retry policy, the default if unset.
+    pub fn retry(&self) -> RetryConfig {
+        self.retry.unwrap_or_default()
+    }
+
+    /// The stuck-record policy, the default if unset.
+    pub fn stuck(&self) -> StuckConfig {
+        self.stuck.unwrap_or_default()
+    }
+
+    /// The commit interval, the default if unset.
+    pub fn commit_interval_ms(&self) -> u64 {
+        self.commit_interval_ms
+            .unwrap_or_else(defaults::commit_interval_ms)
+    }
+
+    /// The shutdown timeout, the default if unset.
+    pub fn shutdown_timeout_ms(&self) -> u64 {
+        self.shutdown_timeout_ms
+            .unwrap_or_else(defaults::shutdown_timeout_ms)
+    }
 }
 
 /// The stage's handler: exactly one of `http` or `builtin`.
@@ -375,6 +463,23 @@ impl ConfigError {
     }
 }
 
+/// `text` as a `T`, or the error with the path of the key at fault (none for the document).
+fn parse_tracked<T: serde::de::DeserializeOwned>(
+    text: &str,
+) -> Result<T, (Option<String>, String)> {
+    let mut path = None;
+    serde_saphyr::with_deserializer_from_str(text, |de| {
+        serde_path_to_error::deserialize::<_, T>(de).map_err(|e| {
+            path = Some(e.path().to_string());
+            <serde_saphyr::Error as serde::de::Error>::custom(e.into_inner())
+        })
+    })
+    .map_err(|e| {
+        let key = path.filter(|p| !matches!(p.as_str(), "." | ""));
+        (key, e.to_string())
+    })
+}
+
 impl StageConfig {
     /// Reads a config file without validating it (so command-line overrides can apply first).
     pub fn parse_file(path: &Path) -> Result<Self, ConfigError> {
@@ -392,21 +497,16 @@ impl StageConfig {
 
     /// Parses YAML text without validating it.
     pub fn parse(text: &str) -> Result<Self, ConfigError> {
-        let mut path = None;
-        let parsed = serde_saphyr::with_deserializer_from_str(text, |de| {
-            serde_path_to_error::deserialize::<_, StageConfig>(de).map_err(|e| {
-                path = Some(e.path().to_string());
-                <serde_saphyr::Error as serde::de::Error>::custom(e.into_inner())
-            })
-        });
-        let config = parsed.map_err(|e| {
-            let key = match path.as_deref() {
-                None | Some(".") | Some("") => "(document)".to_string(),
-                Some(p) => p.to_string(),
-            };
-            ConfigError::new(key, e.to_string())
-        })?;
-        Ok(config)
+        parse_tracked::<StageConfig>(text).map_err(|(key, message)| match key {
+            Some(key) => ConfigError::new(key, message),
+            // An error in the flattened settings comes without a path: serde reads a
+            // flattened struct from a buffer the path tracking cannot see into. Read the
+            // settings again on their own (they ignore the other keys) to name the key.
+            None => match parse_tracked::<StageSettings>(text) {
+                Err((Some(key), message)) => ConfigError::new(key, message),
+                _ => ConfigError::new("(document)", message),
+            },
+        })
     }
 
     /// Checks what the types alone cannot.
@@ -444,7 +544,8 @@ impl StageConfig {
         if self.dlq == self.input {
             return Err(ConfigError::new("dlq", "must differ from input"));
         }
-        if let SessionSource::Header { name } = &self.session {
+        let (retry, stuck) = (self.settings.retry(), self.settings.stuck());
+        if let Some(SessionSource::Header { name }) = &self.settings.session {
             non_empty("session.name", name)?;
         }
         match &self.handler {
@@ -478,19 +579,19 @@ impl StageConfig {
                 }
             }
         }
-        positive("retry.initialBackoffMs", self.retry.initial_backoff_ms)?;
-        if self.retry.max_backoff_ms < self.retry.initial_backoff_ms {
+        positive("retry.initialBackoffMs", retry.initial_backoff_ms)?;
+        if retry.max_backoff_ms < retry.initial_backoff_ms {
             return Err(ConfigError::new(
                 "retry.maxBackoffMs",
                 "must be at least retry.initialBackoffMs",
             ));
         }
-        if !(self.retry.multiplier.is_finite() && self.retry.multiplier >= 1.0) {
+        if !(retry.multiplier.is_finite() && retry.multiplier >= 1.0) {
             return Err(ConfigError::new("retry.multiplier", "must be at least 1.0"));
         }
-        positive("stuck.timeoutMs", self.stuck.timeout_ms)?;
+        positive("stuck.timeoutMs", stuck.timeout_ms)?;
         positive("rebalance.drainTimeoutMs", self.rebalance.drain_timeout_ms)?;
-        positive("commitIntervalMs", self.commit_interval_ms)?;
+        positive("commitIntervalMs", self.settings.commit_interval_ms())?;
         positive("lagIntervalMs", self.lag_interval_ms)?;
         positive("dispatchers", self.dispatchers as u64)?;
         positive("dispatcherCapacity", self.dispatcher_capacity as u64)?;
@@ -501,7 +602,7 @@ impl StageConfig {
         )?;
         positive("prefetchKbytes", self.prefetch_kbytes)?;
         positive("prefetchRecords", self.prefetch_records)?;
-        positive("shutdownTimeoutMs", self.shutdown_timeout_ms)?;
+        positive("shutdownTimeoutMs", self.settings.shutdown_timeout_ms())?;
         self.validate_deadlines()?;
         for key in self.kafka.keys() {
             if OWNED_KAFKA_KEYS.contains(&key.as_str()) {
@@ -680,9 +781,11 @@ handler:
     fn minimal_config_gets_defaults() {
         let c = StageConfig::from_yaml(MINIMAL).unwrap();
         assert_eq!(c.group_id(), "sessionflow-nlu");
-        assert_eq!(c.session, SessionSource::Key);
+        assert_eq!(c.settings.session(), SessionSource::Key);
         assert_eq!(c.dispatchers, 8);
-        assert_eq!(c.retry.max_attempts, 0);
+        assert_eq!(c.settings.retry().max_attempts, 0);
+        assert_eq!(c.settings.commit_interval_ms(), 1_000);
+        assert_eq!(c.settings.shutdown_timeout_ms(), 20_000);
         assert_eq!(c.output, None);
     }
 
@@ -727,7 +830,7 @@ rebalance: {strategy: eager, drainTimeoutMs: 3000}
         )
         .unwrap();
         assert_eq!(
-            c.session,
+            c.settings.session(),
             SessionSource::Header {
                 name: "conversation".into()
             }
@@ -740,12 +843,12 @@ rebalance: {strategy: eager, drainTimeoutMs: 3000}
             })
         );
         assert_eq!(
-            crate::session::retry::RetryPolicy::from(c.retry).max_attempts,
+            crate::session::retry::RetryPolicy::from(c.settings.retry()).max_attempts,
             4
         );
         assert_eq!(c.kafka["fetch.wait.max.ms"], "100");
         assert_eq!(
-            StuckPolicy::from(c.stuck),
+            StuckPolicy::from(c.settings.stuck()),
             StuckPolicy {
                 timeout: Duration::from_millis(900),
                 action: StuckAction::DeadLetter
@@ -829,6 +932,68 @@ rebalance: {strategy: eager, drainTimeoutMs: 3000}
 
     fn key_of(yaml: &str) -> String {
         StageConfig::from_yaml(yaml).unwrap_err().key
+    }
+
+    /// The flattened settings keep their keys' names in errors, though serde's flatten hides
+    /// their path (they are read again on their own to find it), and unknown keys beside
+    /// them are still refused.
+    #[test]
+    fn errors_in_the_shared_settings_name_the_key() {
+        assert_eq!(
+            key_of(&format!("{MINIMAL}commitIntervalMs: soon\n")),
+            "commitIntervalMs"
+        );
+        assert_eq!(
+            key_of(&format!("{MINIMAL}shutdownTimeoutMs: -1\n")),
+            "shutdownTimeoutMs"
+        );
+        assert_eq!(
+            key_of(&format!("{MINIMAL}stuck: {{timeoutMs: 1, when: later}}\n")),
+            "stuck.when"
+        );
+        assert_eq!(
+            key_of(&format!("{MINIMAL}shutdownTimeoutMs: 0\n")),
+            "shutdownTimeoutMs"
+        );
+        assert_eq!(
+            key_of(&format!("{MINIMAL}session: {{from: header}}\n")),
+            "session"
+        );
+        let unknown = StageConfig::from_yaml(&format!("{MINIMAL}retries: {{}}\n")).unwrap_err();
+        assert!(unknown.message.contains("retries"), "{unknown}");
+    }
+
+    /// A stage's own settings over its pipeline's over the worker's defaults, field by field.
+    #[test]
+    fn settings_are_laid_over_their_defaults_field_by_field() {
+        let stage = StageSettings {
+            retry: Some(RetryConfig {
+                max_attempts: 9,
+                ..RetryConfig::default()
+            }),
+            commit_interval_ms: Some(250),
+            ..StageSettings::default()
+        };
+        let pipeline = StageSettings {
+            retry: Some(RetryConfig {
+                max_attempts: 3,
+                ..RetryConfig::default()
+            }),
+            shutdown_timeout_ms: Some(45_000),
+            ..StageSettings::default()
+        };
+        let merged = stage
+            .over(&pipeline)
+            .over(&StageSettings::worker_defaults());
+        assert_eq!(merged.retry.unwrap().max_attempts, 9);
+        assert_eq!(merged.commit_interval_ms, Some(250));
+        assert_eq!(merged.shutdown_timeout_ms, Some(45_000));
+        assert_eq!(merged.session, Some(SessionSource::Key));
+        assert_eq!(merged.stuck, Some(StuckConfig::default()));
+        assert_eq!(
+            StageSettings::default().over(&StageSettings::worker_defaults()),
+            StageSettings::worker_defaults()
+        );
     }
 
     #[test]

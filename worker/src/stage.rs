@@ -91,7 +91,7 @@ pub async fn run<H: Handler>(
 /// Starts a stage in the background.
 pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Result<RunningWorker> {
     config.validate()?;
-    if let crate::record::SessionSource::Header { name } = &config.session {
+    if let crate::record::SessionSource::Header { name } = &config.settings.session() {
         // Order is kept per partition's owner: a session whose records carry the header but
         // whose keys differ lands on several partitions, so on several workers at once.
         tracing::warn!(header = %name,
@@ -140,8 +140,8 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
     let session_ctx = Arc::new(SessionContext {
         handler: Arc::new(handler),
         producer: producer.clone(),
-        retry: config.retry.into(),
-        stuck: config.stuck.into(),
+        retry: config.settings.retry().into(),
+        stuck: config.settings.stuck().into(),
         metrics: metrics.clone(),
         health: health.clone(),
         abort: abort.clone(),
@@ -174,12 +174,12 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
     }
     let settings = IntakeSettings {
         input: config.input.clone(),
-        session: config.session.clone(),
-        commit_interval: Duration::from_millis(config.commit_interval_ms),
+        session: config.settings.session(),
+        commit_interval: Duration::from_millis(config.settings.commit_interval_ms()),
         max_in_flight_per_partition: config.max_in_flight_per_partition,
         revoke_drain_timeout: Duration::from_millis(config.rebalance.drain_timeout_ms),
         write_fence_timeout: Duration::from_millis(config.write_fence_ms()),
-        shutdown_timeout: Duration::from_millis(config.shutdown_timeout_ms),
+        shutdown_timeout: Duration::from_millis(config.settings.shutdown_timeout_ms()),
         shutdown_fence_timeout: Duration::from_millis(config.shutdown_fence_ms()),
         shutdown_drain_queued: config.shutdown_drain_queued,
         prefetch: Prefetch::new(config.prefetch_kbytes, config.prefetch_records, counted),

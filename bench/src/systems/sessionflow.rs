@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use futures::FutureExt;
-use sessionflow_worker::config::{BuiltinHandlerConfig, HandlerConfig, RetryConfig};
+use sessionflow_worker::config::{BuiltinHandlerConfig, HandlerConfig, RetryConfig, StageSettings};
 use sessionflow_worker::record::header;
 use sessionflow_worker::{Handler, HandlerError, HandlerResult, InputRecord, StageConfig};
 
@@ -75,18 +75,21 @@ pub fn stage_config(settings: &SystemSettings) -> StageConfig {
         input: settings.topic.clone(),
         output: settings.output.clone(),
         dlq: settings.dlq.clone(),
-        session: Default::default(),
         // Not used: the bench handler is passed to `start` directly.
         handler: HandlerConfig::Builtin(BuiltinHandlerConfig::default()),
-        retry: RetryConfig {
-            initial_backoff_ms: settings.retry_initial_ms,
-            max_backoff_ms: settings.retry_max_ms,
-            multiplier: 2.0,
-            max_attempts: 0,
+        settings: StageSettings {
+            session: Some(Default::default()),
+            retry: Some(RetryConfig {
+                initial_backoff_ms: settings.retry_initial_ms,
+                max_backoff_ms: settings.retry_max_ms,
+                multiplier: 2.0,
+                max_attempts: 0,
+            }),
+            stuck: Some(Default::default()),
+            commit_interval_ms: Some(1_000),
+            shutdown_timeout_ms: Some(10_000),
         },
-        stuck: Default::default(),
         rebalance: Default::default(),
-        commit_interval_ms: 1_000,
         dispatchers: 8,
         dispatcher_capacity: 1_024,
         session_idle_ms: settings.session_idle_ms,
@@ -94,7 +97,6 @@ pub fn stage_config(settings: &SystemSettings) -> StageConfig {
         prefetch_kbytes,
         prefetch_records,
         lag_interval_ms: 5_000,
-        shutdown_timeout_ms: 10_000,
         shutdown_drain_queued: false,
         metrics_addr: None,
         otlp_endpoint: None,

@@ -185,7 +185,7 @@ async fn early_commits_release_a_held_partition_without_the_interval() {
     let handler = RecordingHandler::new(|s, q, _| Ok(Some(format!("{s}:{q}").into_bytes())));
     let mut stage = topics.stage(builtin(0.0, 0.0));
     stage.max_in_flight_per_partition = CAP as usize;
-    stage.commit_interval_ms = 3_600_000;
+    stage.settings.commit_interval_ms = Some(3_600_000);
     let worker = sessionflow_worker::start(stage, handler.clone())
         .await
         .unwrap();

@@ -24,7 +24,7 @@ async fn failures_reach_the_dlq_with_their_headers_and_the_session_goes_on() {
         _ => Ok(Some(format!("{s}:{seq}").into_bytes())),
     });
     let mut stage = topics.stage(builtin(0.0, 0.0));
-    stage.retry.max_attempts = 3;
+    stage.settings.retry.get_or_insert_default().max_attempts = 3;
     let worker = sessionflow_worker::start(stage, handler.clone())
         .await
         .unwrap();
@@ -171,7 +171,7 @@ async fn replayed_dead_letters_are_processed_once_by_the_fixed_stage() {
         _ => Ok(Some(format!("{s}:{seq}").into_bytes())),
     });
     let mut stage = topics.stage(builtin(0.0, 0.0));
-    stage.retry.max_attempts = 2;
+    stage.settings.retry.get_or_insert_default().max_attempts = 2;
     stage.session_idle_ms = 600_000;
     let worker = sessionflow_worker::start(stage, handler).await.unwrap();
     topics.wait_fully_committed(Duration::from_secs(120)).await;

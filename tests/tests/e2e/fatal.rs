@@ -29,7 +29,7 @@ async fn a_fatal_producer_error_stops_the_worker_not_ready_and_failing() {
         latency_ms: 5,
         ..Default::default()
     }));
-    stage.shutdown_timeout_ms = 2_000;
+    stage.settings.shutdown_timeout_ms = Some(2_000);
     let worker = start(stage).await;
     wait_until(Duration::from_secs(60), || topics.output_count() >= 300)
         .await

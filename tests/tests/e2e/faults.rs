@@ -540,7 +540,7 @@ async fn a_dlq_refused_for_a_while_makes_the_worker_unready_and_reports_the_stuc
     // 20 sessions: every partition gets some (an empty one would never be committed).
     p.produce("bad-", 20, 1).await;
     let mut stage = p.stage();
-    stage.stuck.timeout_ms = 1_000;
+    stage.settings.stuck.get_or_insert_default().timeout_ms = 1_000;
     let handler =
         RecordingHandler::new(|s, q, _| Err(HandlerError::Poison(format!("cannot parse {s}:{q}"))));
     // Every Produce request is refused as too large: only dead letters are written here.

@@ -49,7 +49,7 @@ async fn a_restart_skips_what_the_commit_metadata_says_is_done() {
         let mut s = topics.stage(builtin(0.0, 0.0));
         s.brokers = brokers.clone();
         s.stage = handler_name.into();
-        s.shutdown_timeout_ms = 500;
+        s.settings.shutdown_timeout_ms = Some(500);
         // Kafka-legal (≥ 6 s: the mock rejects less, like a real broker); its classic
         // rebalance then waits a few seconds for members.
         s.kafka.insert("session.timeout.ms".into(), "6000".into());

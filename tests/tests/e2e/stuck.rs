@@ -25,10 +25,10 @@ async fn a_hung_handler_call_is_dead_lettered_as_stuck() {
             }
         });
     let mut stage = topics.stage(builtin(0.0, 0.0));
-    stage.stuck = StuckConfig {
+    stage.settings.stuck = Some(StuckConfig {
         timeout_ms: 1_000,
         action: StuckActionConfig::Dlq,
-    };
+    });
     let worker = sessionflow_worker::start(stage, handler.clone())
         .await
         .unwrap();
@@ -68,10 +68,10 @@ async fn a_busy_partition_is_not_reported_stuck() {
     let handler = RecordingHandler::new(|s, q, _| Ok(Some(format!("{s}:{q}").into_bytes())))
         .with_delay(|_, _| Duration::from_millis(30));
     let mut stage = topics.stage(builtin(0.0, 0.0));
-    stage.stuck = StuckConfig {
+    stage.settings.stuck = Some(StuckConfig {
         timeout_ms: 500,
         action: StuckActionConfig::Dlq,
-    };
+    });
     let worker = sessionflow_worker::start(stage, handler.clone())
         .await
         .unwrap();
