@@ -170,7 +170,7 @@ install() {
 # --- certificates and kubeconfigs ----------------------------------------------------------
 
 make_pki() {
-  [[ -f "$PKI/done" ]] && return 0
+  [[ -f "$PKI/complete" ]] && return 0
   rm -rf "$PKI"
   mkdir -p "$PKI"
   (
@@ -202,7 +202,7 @@ subjectAltName=IP:127.0.0.1,DNS:localhost"
     openssl genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out sa.key 2>/dev/null
     openssl pkey -in sa.key -pubout -out sa.pub
     rm -f ./*.csr ./*.ext ca.srl
-    touch done
+    touch complete
   )
 }
 
