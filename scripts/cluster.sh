@@ -21,8 +21,8 @@
 #   warm start (binaries cached, from nothing running to the kubeconfig line):  see TIMINGS below
 # TIMINGS: (filled in below when measured)
 #
-# Ports (env; defaults chosen clear of 9092, 19300+, 16443, 12379):
-#   CLUSTER_APISERVER_PORT 17443  CLUSTER_ETCD_PORT 22379  CLUSTER_ETCD_PEER_PORT 22380
+# Ports (env; defaults clear of 9092-9094, 19300+, 16443, 12379, 22379 and 26443, seen in use here):
+#   CLUSTER_APISERVER_PORT 17443  CLUSTER_ETCD_PORT 17379  CLUSTER_ETCD_PEER_PORT 17380
 #   CLUSTER_KCM_PORT 17257  CLUSTER_SCHEDULER_PORT 17259  CLUSTER_KWOK_PORT 17247
 # CLUSTER_NODES (default 2): how many fake nodes (kwok-node-0 ...).
 # Certificates, kubeconfigs, pid files, logs and etcd's data live in .local/cluster/.
@@ -32,8 +32,8 @@ set -euo pipefail
 K8S_VERSION=v1.36.3 # must match scripts/cluster/go.mod
 KWOK_VERSION=v0.8.0
 PORT=${CLUSTER_APISERVER_PORT:-17443}
-ETCD_PORT=${CLUSTER_ETCD_PORT:-22379}
-ETCD_PEER_PORT=${CLUSTER_ETCD_PEER_PORT:-22380}
+ETCD_PORT=${CLUSTER_ETCD_PORT:-17379}
+ETCD_PEER_PORT=${CLUSTER_ETCD_PEER_PORT:-17380}
 KCM_PORT=${CLUSTER_KCM_PORT:-17257}
 SCHED_PORT=${CLUSTER_SCHEDULER_PORT:-17259}
 KWOK_PORT=${CLUSTER_KWOK_PORT:-17247}
