@@ -198,10 +198,22 @@ subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubern
     # kwok writes node and pod status and node leases: an admin (system:masters) identity.
     sign kwok "/O=system:masters/CN=kwok" "extendedKeyUsage=clientAuth,serverAuth
 subjectAltName=IP:127.0.0.1,DNS:localhost"
+    # The aggregation layer's front proxy: its own CA and client certificate (the API server
+    # publishes the CA for requestheader authentication; without it every component complains).
+    key front-proxy-ca.key
+    openssl req -x509 -new -key front-proxy-ca.key -sha256 -days 3650 -subj "/CN=sessionflow-front-proxy-ca" \
+      -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign,digitalSignature" \
+      -addext "subjectKeyIdentifier=hash" -out front-proxy-ca.crt
+    key front-proxy-client.key
+    openssl req -new -key front-proxy-client.key -subj "/CN=front-proxy-client" -out front-proxy-client.csr
+    printf '%s\n' "basicConstraints=critical,CA:FALSE" "keyUsage=critical,digitalSignature,keyEncipherment" \
+      "extendedKeyUsage=clientAuth" >front-proxy-client.ext
+    openssl x509 -req -in front-proxy-client.csr -CA front-proxy-ca.crt -CAkey front-proxy-ca.key -CAcreateserial \
+      -sha256 -days 3650 -extfile front-proxy-client.ext -out front-proxy-client.crt 2>/dev/null
     # The ServiceAccount token signing key pair (RSA: what every verifier takes).
     openssl genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out sa.key 2>/dev/null
     openssl pkey -in sa.key -pubout -out sa.pub
-    rm -f ./*.csr ./*.ext ca.srl
+    rm -f ./*.csr ./*.ext ./*.srl
     touch complete
   )
 }
@@ -372,6 +384,10 @@ start() {
     --service-account-issuer https://kubernetes.default.svc.cluster.local \
     --service-account-key-file "$PKI/sa.pub" --service-account-signing-key-file "$PKI/sa.key" \
     --service-cluster-ip-range 10.96.0.0/16 \
+    --requestheader-client-ca-file "$PKI/front-proxy-ca.crt" --requestheader-allowed-names front-proxy-client \
+    --requestheader-username-headers X-Remote-User --requestheader-group-headers X-Remote-Group \
+    --requestheader-extra-headers-prefix X-Remote-Extra- \
+    --proxy-client-cert-file "$PKI/front-proxy-client.crt" --proxy-client-key-file "$PKI/front-proxy-client.key" \
     --allow-privileged=true
   wait_for kube-apiserver 120 apiserver_ready
 
@@ -409,21 +425,27 @@ start() {
   ready_lines
 }
 
-kill_pidfile() { # kill_pidfile NAME
-  if alive "$1"; then
-    local pid
-    pid=$(cat "$STATE/$1.pid")
-    kill "$pid" 2>/dev/null || true
-    for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+kill_pidfiles() { # kill_pidfiles NAME...: SIGTERM all, wait up to 15 s, then SIGKILL
+  local name pid pids=()
+  for name in "$@"; do
+    if alive "$name"; then
+      pid=$(cat "$STATE/$name.pid")
+      kill "$pid" 2>/dev/null || true
+      pids+=("$pid")
+    fi
+  done
+  for pid in "${pids[@]}"; do
+    for _ in $(seq 1 150); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
     kill -9 "$pid" 2>/dev/null || true
-  fi
-  rm -f "$STATE/$1.pid"
+  done
+  for name in "$@"; do rm -f "$STATE/$name.pid"; done
 }
 
 # kill_all: stop the processes and drop etcd's data; the logs stay (a failed start's evidence).
 kill_all() {
-  local c
-  for c in kwok kube-scheduler kube-controller-manager kube-apiserver etcd; do kill_pidfile "$c"; done
+  kill_pidfiles kwok kube-scheduler kube-controller-manager
+  kill_pidfiles kube-apiserver
+  kill_pidfiles etcd
   rm -rf "$ETCD_DATA"
 }
 
