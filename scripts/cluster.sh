@@ -11,7 +11,8 @@
 #   scripts/cluster.sh start      start everything; return once /readyz is ok and every fake node
 #                                 is Ready; the LAST LINE of stdout is the admin kubeconfig's path
 #   scripts/cluster.sh stop       stop what it started, delete its data (etcd, certs, logs)
-#   scripts/cluster.sh status     exit 0 when /readyz is ok and a node is Ready
+#   scripts/cluster.sh status     exit 0 when all five processes run, /readyz is ok and every
+#                                 fake node is Ready
 #   scripts/cluster.sh kubeconfig print the admin kubeconfig's path (O=system:masters)
 #   scripts/cluster.sh bin        print the binaries' folder (kubectl is there)
 #   scripts/cluster.sh installed  exit 0 when the binaries are in the cache
@@ -265,6 +266,10 @@ nodes_ready() {
   ((n >= NODES))
 }
 ready() { apiserver_ready && nodes_ready; }
+all_alive() {
+  local c
+  for c in etcd kube-apiserver kube-controller-manager kube-scheduler kwok; do alive "$c" || return 1; done
+}
 
 wait_for() { # wait_for NAME SECONDS TEST...: NAME's pid must stay alive while TEST fails.
   local what=$1 secs=$2
@@ -332,9 +337,7 @@ start() {
   mkdir -p "$STATE"
   exec 8>"$STATE/.lock"
   flock 8
-  local c all=1
-  for c in etcd kube-apiserver kube-controller-manager kube-scheduler kwok; do alive "$c" || all=0; done
-  if ((all)); then
+  if all_alive; then
     PORT=$(cat "$STATE/port" 2>/dev/null || echo "$PORT")
     local deadline=$((SECONDS + 120))
     until ready; do
@@ -473,7 +476,7 @@ case "${1:-}" in
   status)
     PORT=$(cat "$STATE/port" 2>/dev/null || echo "$PORT")
     NODES=$(cat "$STATE/nodes" 2>/dev/null || echo "$NODES")
-    [[ -x "$BIN/kubectl" ]] && ready
+    [[ -x "$BIN/kubectl" ]] && all_alive && ready
     ;;
   kubeconfig) echo "$KUBECONFIG_FILE" ;;
   bin) echo "$BIN" ;;
