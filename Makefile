@@ -75,6 +75,14 @@ image-test:
 chart-check:
 	scripts/chart-check.sh
 
+## cluster-check: a local Kubernetes control plane (scripts/cluster.sh: etcd, kube-apiserver,
+## controller-manager, scheduler, kwok fake nodes; built once into ~/.cache/sessionflow), left
+## running, then scripts/cluster-check.sh (Deployment → Running pods, GC, SA token + RBAC)
+.PHONY: cluster-check
+cluster-check:
+	scripts/cluster.sh start >/dev/null
+	scripts/cluster-check.sh
+
 .PHONY: bench bench-sweeps bench-smoke
 
 # The harness's binary (cargo honours CARGO_TARGET_DIR; so does this).
