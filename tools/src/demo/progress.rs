@@ -18,8 +18,8 @@ use super::pipeline::Pipeline;
 use super::scrape::{Scraper, StageSnapshot};
 use super::stages::StageProcesses;
 use super::TICK;
-use crate::commit::lag;
 use crate::loadgen;
+use sessionflow_worker::commit::lag;
 
 /// How often a progress line is printed when stderr is not a terminal.
 const PLAIN_PROGRESS_EVERY: Duration = Duration::from_secs(5);

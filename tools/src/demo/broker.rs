@@ -12,7 +12,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::DefaultProducerContext;
 
-use crate::kafka::topics;
+use sessionflow_worker::kafka::topics;
 
 /// How long a real broker gets to answer a metadata request before the demo gives up.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
