@@ -24,10 +24,11 @@ use tokio_util::task::AbortOnDropHandle;
 
 use crate::loadgen::{self, LoadgenOptions};
 use sessionflow_worker::config::{HandlerConfig, StageConfig};
+use sessionflow_worker::kafka::client_settings::ClientSettings;
 
 use broker::Broker;
 use pipeline::Pipeline;
-use progress::LagReaders;
+use progress::StageLags;
 use scrape::Scraper;
 use stages::StageProcesses;
 
@@ -143,7 +144,7 @@ async fn run_to_end(opts: &DemoOptions) -> anyhow::Result<bool> {
     };
     // Aborted if the demo ends early (its producer must not outlive the embedded broker).
     let load = AbortOnDropHandle::new(tokio::spawn(async move { loadgen::run(&load).await }));
-    let lags = LagReaders::new(&brokers, &pipeline)?;
+    let lags = StageLags::new(ClientSettings::new(brokers.as_str()), &pipeline)?;
     let started = Instant::now();
     let finals = progress::watch(
         &mut stages,
