@@ -374,8 +374,10 @@ fn show_lag(
 ) -> anyhow::Result<()> {
     let deadline = std::time::Instant::now() + Duration::from_secs(timeout_secs);
     let mut last_print = std::time::Instant::now() - Duration::from_secs(10);
+    // One client for every read of a --wait-zero.
+    let reader = lag::LagReader::new(kafka, group)?;
     loop {
-        let lags = lag::read(kafka, group, topic, Duration::from_secs(10))?;
+        let lags = reader.read_blocking(topic)?;
         let total = lag::total(&lags);
         if !wait_zero {
             println!("partition  low  high  committed  lag");
