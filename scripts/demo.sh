@@ -3,7 +3,8 @@
 # worker process per stage (`sessionflow-worker run --config examples/demo/<stage>.yaml`), 10%
 # transient faults and 0.1% poison records at every stage, 1,000 sessions; a summary table per
 # stage, then the last topic verified against the first (exit 1 on an order violation or a lost
-# record). See `sessionflow-worker demo --help`.
+# record). See `sessionflow demo --help` (the tools' binary, crate sessionflow-tools; it starts
+# the stages from the `sessionflow-worker` binary built beside it).
 #
 # The broker is embedded (librdkafka's mock cluster, inside the demo process) unless BROKERS
 # names a real one, e.g. `scripts/broker.sh start` then BROKERS=127.0.0.1:${BROKER_PORT:-9092}.
@@ -15,8 +16,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CARGO=${CARGO:-cargo}
-"$CARGO" build --quiet -p sessionflow-worker --bin sessionflow-worker
-BIN=${CARGO_TARGET_DIR:-target}/debug/sessionflow-worker
+"$CARGO" build --quiet -p sessionflow-worker --bin sessionflow-worker -p sessionflow-tools --bin sessionflow
+BIN=${CARGO_TARGET_DIR:-target}/debug/sessionflow
 args=(demo --records "${DEMO_RECORDS:-120000}" --rate "${DEMO_RATE:-2000}"
       --sessions "${DEMO_SESSIONS:-1000}" --config-dir examples/demo --state-dir .local/demo)
 if [[ -n "${BROKERS:-}" ]]; then

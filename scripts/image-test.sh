@@ -20,6 +20,8 @@
 #     listener, so a Python `ssl` listener stands in: the handshake, OpenSSL in the image and
 #     the CA file, is the part the image can get wrong; SASL then runs inside that session);
 #   - the HTTPS handler is refused when the CA is not trusted (the certificate is checked);
+#   - the tools (`sessionflow`: create-topics, loadgen, lag, verify, dlq-replay) run from the
+#     worker image too (`--entrypoint sessionflow`), hardened the same way;
 #   - `sessionflow-operator crd` from the operator image equals crds/sessionpipeline.yaml;
 #   - the OCI labels carry the version and the revision; each binary carries its dependency
 #     list (cargo auditable's .dep-v0 section);
@@ -80,8 +82,9 @@ LIMITS=($(pod_limits))
 # podman's default profile).
 HARDENED=(--pull=never --user "$RENDERED_USER" --read-only --read-only-tmpfs=false --cap-drop ALL
   --security-opt no-new-privileges --network host "${LIMITS[@]}")
-# The worker's other subcommands (create-topics, loadgen, lag, verify), from the image too.
-tool() { pod run --rm "${HARDENED[@]}" "$WORKER_IMAGE" "$@"; }
+# The tools (create-topics, loadgen, lag, verify, dlq-replay): the `sessionflow` binary beside
+# the worker's in its image.
+tool() { pod run --rm "${HARDENED[@]}" --entrypoint /usr/local/bin/sessionflow "$WORKER_IMAGE" "$@"; }
 http_code() { curl -s -o /dev/null -w '%{http_code}' --max-time 2 "$1" || true; }
 metric() { # the sum of the samples of metric $1 whose labels contain $2 (0 when none)
   curl -s --max-time 2 "http://127.0.0.1:$METRICS_PORT/metrics" |
@@ -233,6 +236,8 @@ scenario() { # mode drained|default handler-yaml [podman args]
     --timeout-secs 60) || { echo "$report" >&2; fail "$mode: verify"; }
   echo "$report" | grep -E '^(records|duplicates|lost|order violations|verdict) ' | sed 's/^/  /'
   echo "$report" | grep -qE '^lost +0$' || fail "$mode: records lost"
+  tool dlq-replay --brokers "$BROKERS" --dlq "$in.dlq" --dry-run >/dev/null ||
+    fail "$mode: dlq-replay --dry-run"
   if [[ $drain == drained ]]; then
     echo "$report" | grep -qE '^duplicates +0$' || fail "$mode: records processed twice"
   else
@@ -333,11 +338,15 @@ for image in "$WORKER_IMAGE" "$OPERATOR_IMAGE"; do
   [[ $(label version) == "$version" ]] || fail "$image: version label $(label version)"
   [[ $(label revision) =~ ^[0-9a-f]{40}(-dirty)?$ ]] || fail "$image: revision label $(label revision)"
   [[ -n $(label source) ]] || fail "$image: no source label"
-  bin=${image##*/}
-  bin=${bin%%:*}
+  bins=${image##*/}
+  bins=${bins%%:*}
+  # The worker image carries the tools' binary too.
+  [[ $image == "$WORKER_IMAGE" ]] && bins="$bins sessionflow"
   ctr=$(bah from --quiet --pull=never "$image")
   mnt=$(bah mount "$ctr")
-  deps=$(python3 - "$mnt/usr/local/bin/$bin" <<'PY'
+  deps=""
+  for bin in $bins; do
+    n=$(python3 - "$mnt/usr/local/bin/$bin" <<'PY'
 # cargo auditable's .dep-v0 section: zlib-compressed JSON of the dependency tree.
 import json, subprocess, sys, tempfile, zlib
 with tempfile.NamedTemporaryFile() as out:
@@ -348,10 +357,12 @@ names = {p["name"] for p in json.loads(zlib.decompress(data))["packages"]}
 assert {"rdkafka", "tokio"} <= names, names
 print(len(names))
 PY
-  ) || fail "$image: no readable dependency list in $bin"
+    ) || fail "$image: no readable dependency list in $bin"
+    deps="$deps $bin: $n"
+  done
   bah umount "$ctr" >/dev/null
   bah rm "$ctr" >/dev/null
-  echo "  $image: version $(label version), revision $(label revision), $deps crates listed in .dep-v0"
+  echo "  $image: version $(label version), revision $(label revision), crates listed in .dep-v0:$deps"
 done
 
 step "sizes"

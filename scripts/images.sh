@@ -48,23 +48,25 @@ if ! "$CARGO" auditable --version >/dev/null 2>&1; then
 fi
 
 # One release build per binary (each with its own features, as the Dockerfile's builder has them);
-# dependencies are shared between the two and cached across runs.
+# dependencies are shared between them and cached across runs. The worker image holds two: the
+# stage (`sessionflow-worker`) and the tools (`sessionflow`, crate sessionflow-tools).
 target=${IMAGE_TARGET_DIR:-$IMAGE_CACHE/image-target}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-for c in worker operator; do
-  echo "== images: cargo auditable build --release -p sessionflow-$c"
+for spec in worker:worker:sessionflow-worker worker:tools:sessionflow operator:operator:sessionflow-operator; do
+  IFS=: read -r c pkg bin <<<"$spec"
+  echo "== images: cargo auditable build --release -p sessionflow-$pkg --bin $bin"
   CARGO_TARGET_DIR=$target LIBZ_SYS_STATIC=1 "$CARGO" auditable build --release --locked \
-    -p "sessionflow-$c" --bin "sessionflow-$c"
+    -p "sessionflow-$pkg" --bin "$bin"
   mkdir -p "$work/$c"
-  install -m 0755 "$target/release/sessionflow-$c" "$work/$c/sessionflow-$c"
-  strip --strip-debug "$work/$c/sessionflow-$c"
+  install -m 0755 "$target/release/$bin" "$work/$c/$bin"
+  strip --strip-debug "$work/$c/$bin"
   # The same check as the Dockerfile's builder stage: only libraries distroless/cc-debian12 has.
-  extra=$(ldd "$work/$c/sessionflow-$c" | awk '{print $1}' |
+  extra=$(ldd "$work/$c/$bin" | awk '{print $1}' |
     grep -vE '^(linux-vdso\.so|/lib.*/ld-linux|ld-linux|libc\.so|libm\.so|libdl\.so|libpthread\.so|librt\.so|libgcc_s\.so|libstdc\+\+\.so|libgomp\.so|libssl\.so\.3|libcrypto\.so\.3)' ||
     true)
   if [[ -n $extra ]]; then
-    echo "images: sessionflow-$c needs libraries distroless/cc-debian12 lacks: $extra" >&2
+    echo "images: $bin needs libraries distroless/cc-debian12 lacks: $extra" >&2
     exit 1
   fi
 done

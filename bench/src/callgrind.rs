@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use rdkafka::mocking::MockCluster;
-use sessionflow_worker::loadgen::SessionChoice;
+use sessionflow_tools::loadgen::SessionChoice;
 
 use crate::handler::{Core, HandlerSpec};
 use crate::systems::{self, SystemKind, SystemSettings};

@@ -28,6 +28,13 @@ use clap::{ArgAction, Parser, Subcommand};
 
 use crate::scenarios::ScenarioId;
 
+/// jemalloc, as the worker binary has it (worker/src/main.rs): every system measured here runs
+/// in this process, so the allocator is part of what is measured, and the numbers stay those of
+/// the worker's (BENCHMARKS.md, "The allocator"; `bench/callgrind.sh`). The engine's
+/// `malloc_conf` (ops::memory) applies here too.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[derive(Parser)]
 #[command(
     name = "sessionflow-bench",

@@ -13,8 +13,8 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
+use sessionflow_tools::loadgen::SessionChoice;
 use sessionflow_worker::kafka::topics;
-use sessionflow_worker::loadgen::SessionChoice;
 
 use crate::handler::HandlerSpec;
 use crate::measurement::{now_us, process_cpu_seconds};
@@ -437,7 +437,7 @@ fn expected_healthy(sc: &Scenario, spec: &RunSpec) -> u64 {
     match spec.handler.fail_sid {
         None => spec.expected,
         Some(sid) => {
-            let order = sessionflow_worker::loadgen::session_sequence(
+            let order = sessionflow_tools::loadgen::session_sequence(
                 spec.expected,
                 sc.sessions,
                 sc.choice.loadgen(),

@@ -18,7 +18,7 @@ use rdkafka::config::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
-use sessionflow_worker::loadgen::{session_sequence, SessionChoice};
+use sessionflow_tools::loadgen::{session_sequence, SessionChoice};
 use sessionflow_worker::record::header;
 
 use crate::measurement::now_us;

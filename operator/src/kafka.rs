@@ -5,32 +5,25 @@
 //! same Secrets through the API — only those labelled [`CREDENTIALS_LABEL`]`: "true"` — and hands the values to librdkafka directly (`sasl.*`,
 //! `ssl.*.pem`). Lag is read without joining the stage's group (committed offsets and
 //! watermarks only), so paused, stalled or absent workers do not change what is measured.
-//! Lag readers are kept between autoscaling passes ([`LagReaders`]): a librdkafka client costs
-//! threads and broker connections, too much to create for every stage on every pass.
-//! librdkafka calls block, so they run on the blocking pool; a read the autoscaler stopped
-//! waiting for (its deadline passed) still holds its reader until librdkafka gives up, and the
-//! reader refuses to start a second read meanwhile, so an unreachable cluster costs one
-//! blocking thread per stage, not one more every pass.
-
-use std::collections::{HashMap, HashSet};
-use std::hash::{DefaultHasher, Hash, Hasher};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+//! Lag readers are kept between autoscaling passes ([`LagReaders`], the engine's
+//! `commit::lag` readers, which the tools use too): a librdkafka client costs threads and
+//! broker connections, too much to create for every stage on every pass. librdkafka calls
+//! block, so they run on the blocking pool; a read the autoscaler stopped waiting for (its
+//! deadline passed) still holds its reader until librdkafka gives up, and the reader refuses to
+//! start a second read meanwhile, so an unreachable cluster costs one blocking thread per stage,
+//! not one more every pass.
 
 use k8s_openapi::api::core::v1::Secret;
 use kube::{Api, Client};
 use rdkafka::admin::AdminClient;
 use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
-use rdkafka::consumer::BaseConsumer;
-use sessionflow_worker::commit::lag::{self, PartitionLag};
+use sessionflow_worker::commit::lag::PartitionLag;
+pub use sessionflow_worker::commit::lag::{LagReader, LagReaders};
 use sessionflow_worker::kafka::client_settings::ClientSettings;
 use sessionflow_worker::kafka::topics::{self, TopicRequest};
 
 use crate::crd::{KafkaSpec, TopicsSpec};
-
-const TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Everything a client of one pipeline needs: bootstrap servers, properties, secrets (the
 /// worker's [`ClientSettings`], which never prints a value).
@@ -166,103 +159,14 @@ impl Connection {
 
     /// A client that reads `group`'s lag without joining the group.
     pub fn lag_reader(&self, group: &str) -> anyhow::Result<LagReader> {
-        let mut config = self.config();
-        config
-            .set("group.id", group)
-            .set("enable.auto.commit", "false");
-        Ok(LagReader {
-            consumer: Arc::new(config.create()?),
-            busy: Arc::default(),
-        })
-    }
-
-    /// Tells connections apart without keeping their properties (secrets among them) twice.
-    fn fingerprint(&self) -> u64 {
-        let mut hasher = DefaultHasher::new();
-        self.hash(&mut hasher);
-        hasher.finish()
+        LagReader::new(&self.settings, group)
     }
 }
 
-/// A consumer of one group's committed offsets; it never subscribes.
-#[derive(Clone)]
-pub struct LagReader {
-    consumer: Arc<BaseConsumer>,
-    /// A read is running on the blocking pool (perhaps one nobody waits for any more).
-    busy: Arc<AtomicBool>,
-}
-
-/// Clears a reader's `busy` flag when its read ends, however it ends.
-struct Busy(Arc<AtomicBool>);
-
-impl Drop for Busy {
-    fn drop(&mut self) {
-        self.0.store(false, Ordering::Release);
-    }
-}
-
-impl LagReader {
-    /// Lag of the group on every partition of `topic`. Fails at once while an earlier read
-    /// of this reader has not returned.
-    pub async fn read(&self, topic: &str) -> anyhow::Result<Vec<PartitionLag>> {
-        anyhow::ensure!(
-            !self.busy.swap(true, Ordering::AcqRel),
-            "the previous lag read has not returned yet (the cluster does not answer)"
-        );
-        let busy = Busy(self.busy.clone());
-        let consumer = self.consumer.clone();
-        let topic = topic.to_string();
-        tokio::task::spawn_blocking(move || {
-            let _busy = busy;
-            // Serve what queued up since the last read (client errors and logs), so a reader
-            // kept for days does not accumulate them.
-            while consumer.poll(Duration::ZERO).is_some() {}
-            lag::read_with(&consumer, &topic, TIMEOUT)
-        })
-        .await?
-    }
-}
-
-type ReaderKey = (u64, String);
-
-/// Lag readers kept from one autoscaling pass to the next, one per connection and group. A
-/// reader unused for a whole pass (its stage or pipeline is gone, or its credentials changed,
-/// which changes the connection) is dropped.
-#[derive(Default)]
-pub struct LagReaders {
-    readers: HashMap<ReaderKey, LagReader>,
-    used: HashSet<ReaderKey>,
-    created: usize,
-}
-
-impl LagReaders {
-    /// The reader of `group` on `connection`, made on first use.
-    pub fn get(&mut self, connection: &Connection, group: &str) -> anyhow::Result<LagReader> {
-        let key = (connection.fingerprint(), group.to_string());
-        self.used.insert(key.clone());
-        if let Some(reader) = self.readers.get(&key) {
-            return Ok(reader.clone());
-        }
-        let reader = connection.lag_reader(group)?;
-        self.created += 1;
-        self.readers.insert(key, reader.clone());
-        Ok(reader)
-    }
-
-    /// Drops the readers not asked for since the last call.
-    pub fn forget_unused(&mut self) {
-        let used = std::mem::take(&mut self.used);
-        self.readers.retain(|key, _| used.contains(key));
-    }
-
-    /// Readers kept now.
-    pub fn kept(&self) -> usize {
-        self.readers.len()
-    }
-
-    /// Clients made so far.
-    pub fn created(&self) -> usize {
-        self.created
+/// The key of a connection's lag readers ([`LagReaders::get`]): its settings.
+impl AsRef<ClientSettings> for Connection {
+    fn as_ref(&self) -> &ClientSettings {
+        &self.settings
     }
 }
 

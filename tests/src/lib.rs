@@ -421,6 +421,12 @@ pub fn worker_binary() -> PathBuf {
     }
 }
 
+/// The tools' binary (`sessionflow`: create-topics, loadgen, verify, lag, dlq-replay), built next
+/// to the test binary.
+pub fn tools_binary() -> PathBuf {
+    workspace_binary("sessionflow")
+}
+
 /// A binary of the workspace, built next to the test binary.
 pub fn workspace_binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
@@ -610,7 +616,7 @@ impl Topics {
 }
 
 /// Asserts that the replays (duplicates in the output) stay within `bound`, and reports them.
-pub fn assert_replays_within(report: &sessionflow_worker::verify::VerifyReport, bound: u64) {
+pub fn assert_replays_within(report: &sessionflow_tools::verify::VerifyReport, bound: u64) {
     eprintln!("replayed {} records (bound {bound})", report.duplicates);
     assert!(
         report.duplicates <= bound,
@@ -620,7 +626,7 @@ pub fn assert_replays_within(report: &sessionflow_worker::verify::VerifyReport, 
 }
 
 /// Reads the output and DLQ back and checks them against the input.
-pub fn verify_pipeline(topics: &Topics) -> sessionflow_worker::verify::VerifyReport {
+pub fn verify_pipeline(topics: &Topics) -> sessionflow_tools::verify::VerifyReport {
     verify_on(&brokers(), topics)
 }
 
@@ -741,8 +747,8 @@ pub async fn wait_committed_to_end_on(
 
 /// Like [`verify_pipeline`], against the cluster at `brokers` (e.g. librdkafka's mock cluster)
 /// instead of `SESSIONFLOW_BROKERS`.
-pub fn verify_on(brokers: &str, topics: &Topics) -> sessionflow_worker::verify::VerifyReport {
-    sessionflow_worker::verify::run(&sessionflow_worker::verify::VerifyOptions {
+pub fn verify_on(brokers: &str, topics: &Topics) -> sessionflow_tools::verify::VerifyReport {
+    sessionflow_tools::verify::run(&sessionflow_tools::verify::VerifyOptions {
         kafka: brokers.into(),
         topic: topics.output.clone(),
         dlq: Some(topics.dlq.clone()),
@@ -837,7 +843,7 @@ impl MockKafka {
     }
 
     /// `verify` over this cluster's topics.
-    pub fn verify(&self) -> sessionflow_worker::verify::VerifyReport {
+    pub fn verify(&self) -> sessionflow_tools::verify::VerifyReport {
         verify_on(&self.brokers, &self.topics)
     }
 }

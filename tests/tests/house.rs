@@ -1,4 +1,5 @@
-//! The house's modules import each other one way: no cycle, in the engine and in the operator.
+//! The house's modules import each other one way: no cycle, in the engine, the tools and the
+//! operator; and the engine does not carry the tools' dependencies.
 //!
 //! A ring of imports (config → stuck → metrics → dlq → record → config in the engine, kafka ↔
 //! render in the operator, as there were) means no module of the ring can be read, tested or
@@ -200,6 +201,28 @@ fn assert_no_cycle(crate_dir: &str, at_least: usize) {
 #[test]
 fn the_engine_s_modules_import_each_other_one_way() {
     assert_no_cycle("worker", 12);
+}
+
+#[test]
+fn the_tools_modules_import_each_other_one_way() {
+    assert_no_cycle("tools", 4);
+}
+
+/// What only the tools use (the demo's progress bars, loadgen's Zipf law) stays out of the
+/// engine's manifest, so a stage's build and image do not carry it.
+#[test]
+fn the_engine_does_not_depend_on_the_tools_crates() {
+    let manifest =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../worker/Cargo.toml"))
+            .expect("read worker/Cargo.toml");
+    for line in manifest.lines().map(str::trim) {
+        for tools_only in ["indicatif", "rand_distr"] {
+            assert!(
+                !line.starts_with(tools_only),
+                "worker/Cargo.toml depends on {tools_only}: it belongs to tools/"
+            );
+        }
+    }
 }
 
 #[test]

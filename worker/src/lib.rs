@@ -22,25 +22,24 @@
 //! - **Around them**: the stage's [`config`], the Kafka clients' settings and topics
 //!   ([`kafka`]), metrics, health, logs and memory ([`ops`]).
 //!
+//! The tools around a pipeline (the demo, loadgen, verify, dlq-replay) are another crate,
+//! sessionflow-tools (`tools/`), and the allocator is the binary's choice (`ops::memory`).
+//!
 //! Modules import one way: [`record`] and [`config`] at the bottom, [`stage`] on top
 //! (`tests/tests/house.rs` checks that no two modules import each other).
 
 pub mod commit;
 pub mod config;
-pub mod demo;
 pub mod dispatch;
 pub mod group;
 pub mod handler;
 pub mod intake;
 pub mod kafka;
-pub mod loadgen;
 pub mod ops;
 pub mod output;
 pub mod record;
-pub mod replay;
 pub mod session;
 pub mod stage;
-pub mod verify;
 
 pub use config::StageConfig;
 pub use handler::{Handler, HandlerError, HandlerResult};

@@ -9,7 +9,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use sessionflow_worker::verify::{read_topic, Checker};
+use sessionflow_tools::verify::{read_topic, Checker};
 
 /// What the input topic holds, checked as a sequence of its own.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

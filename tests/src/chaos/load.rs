@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use sessionflow_worker::loadgen::{self, LoadgenOptions, LoadgenReport};
+use sessionflow_tools::loadgen::{self, LoadgenOptions, LoadgenReport};
 
 use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;

@@ -27,7 +27,7 @@ mod workers;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use sessionflow_worker::verify::{self, VerifyOptions};
+use sessionflow_tools::verify::{self, VerifyOptions};
 use sessionflow_worker::StageConfig;
 
 use cluster::{ChaosCluster, RunTopics};

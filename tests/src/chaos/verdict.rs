@@ -12,7 +12,7 @@
 
 use std::fmt;
 
-use sessionflow_worker::verify::VerifyReport;
+use sessionflow_tools::verify::VerifyReport;
 
 use crate::input::InputAudit;
 use crate::schedule::ClusterKind;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sessionflow_tests::{brokers, builtin, verify_pipeline, Gate, RecordingHandler, Topics};
-use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
+use sessionflow_tools::loadgen::{self, LoadgenOptions, SessionChoice};
 
 use crate::produce_round_robin;
 

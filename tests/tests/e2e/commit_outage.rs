@@ -14,7 +14,7 @@ use sessionflow_tests::{
     end_offsets_on, verify_on, wait_committed_to_end_on, wait_until, MockCluster, MockKafka,
     Topics, WorkerProcess,
 };
-use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
+use sessionflow_tools::loadgen::{self, LoadgenOptions, SessionChoice};
 
 const PARTITIONS: i32 = 4;
 const CAP: u64 = 100;

@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use sessionflow_tests::{brokers, builtin, produce_one, RecordingHandler, Topics};
+use sessionflow_tools::verify::{read_topic, Checker};
 use sessionflow_worker::record::header;
-use sessionflow_worker::verify::{read_topic, Checker};
 use sessionflow_worker::HandlerError;
 
 use crate::produce_round_robin;
@@ -155,7 +155,7 @@ async fn replayed_dead_letters_are_processed_once_by_the_fixed_stage() {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
 
-    use sessionflow_worker::replay::{self, Selection, REPLAY_OF};
+    use sessionflow_tools::replay::{self, Selection, REPLAY_OF};
 
     let topics = Topics::create("dlq-replay", 4).await;
     produce_round_robin(&topics, 20, 10).await;

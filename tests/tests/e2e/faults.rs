@@ -37,9 +37,9 @@ use sessionflow_tests::{
     assert_replays_within, builtin, verify_on, wait_committed_to_end_on, wait_until, Gate,
     MockKafka, RecordingHandler, Topics,
 };
-use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
+use sessionflow_tools::loadgen::{self, LoadgenOptions, SessionChoice};
+use sessionflow_tools::verify::{read_topic, SeqRecord, VerifyReport};
 use sessionflow_worker::record::header;
-use sessionflow_worker::verify::{read_topic, SeqRecord, VerifyReport};
 use sessionflow_worker::{HandlerError, RunningWorker, StageConfig};
 
 /// Input (and output) partitions of every test.

@@ -14,7 +14,7 @@ use std::time::Duration;
 use sessionflow_tests::{
     verify_pipeline, wait_committed_to_end_on, wait_until, MockKafka, Topics, WorkerProcess,
 };
-use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
+use sessionflow_tools::loadgen::{self, LoadgenOptions, SessionChoice};
 
 /// Short sessions whose first attempts are often 12 × the drain timeout: when a partition
 /// moves, its new owner usually finishes a session (it redoes the slow record quickly: the

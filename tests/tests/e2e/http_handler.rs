@@ -10,10 +10,10 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use axum::Router;
 use sessionflow_tests::{brokers, Topics};
+use sessionflow_tools::verify::read_topic;
 use sessionflow_worker::config::{HandlerConfig, HttpHandlerConfig};
 use sessionflow_worker::handler::ConfiguredHandler;
 use sessionflow_worker::record::header;
-use sessionflow_worker::verify::read_topic;
 
 type Calls = Arc<Mutex<Vec<HashMap<String, String>>>>;
 

@@ -28,7 +28,7 @@ mod trace_context;
 mod truncation;
 
 use sessionflow_tests::{brokers, Topics};
-use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
+use sessionflow_tools::loadgen::{self, LoadgenOptions, SessionChoice};
 
 /// Produces `per_session` numbered records for each of `sessions` sessions, interleaved.
 pub async fn produce_round_robin(topics: &Topics, sessions: u64, per_session: u64) {

@@ -23,7 +23,7 @@ use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use sessionflow_tests::{
     end_offsets_on, wait_committed_to_end_on, wait_until, MockKafka, WorkerProcess,
 };
-use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
+use sessionflow_tools::loadgen::{self, LoadgenOptions, SessionChoice};
 
 const PARTITIONS: i32 = 4;
 const RECORDS: u64 = 12_000;

@@ -12,8 +12,8 @@ use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Offset, TopicPartitionList};
 use sessionflow_tests::{builtin, wait_until, Gate, MockKafka, RecordingHandler};
+use sessionflow_tools::loadgen::{self, LoadgenOptions, SessionChoice};
 use sessionflow_worker::commit::offset_map;
-use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
 
 fn committed(brokers: &str, group: &str, topic: &str) -> (i64, String) {
     let c: BaseConsumer = ClientConfig::new()

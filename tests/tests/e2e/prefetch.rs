@@ -9,8 +9,8 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use sessionflow_tests::{brokers, builtin, wait_until, Gate, RecordingHandler, Topics};
+use sessionflow_tools::loadgen::{self, LoadgenOptions, SessionChoice};
 use sessionflow_worker::config::StageConfig;
-use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
 
 const PARTITIONS: i32 = 4;
 const RECORDS: u64 = 4_000;

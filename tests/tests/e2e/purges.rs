@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 use sessionflow_tests::{http_get, wait_committed_to_end_on, wait_until, MockKafka, WorkerProcess};
-use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
+use sessionflow_tools::loadgen::{self, LoadgenOptions, SessionChoice};
 
 const PARTITIONS: i32 = 4;
 const RECORDS: u64 = 6_000;

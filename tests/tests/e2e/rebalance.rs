@@ -8,7 +8,7 @@ use std::time::Duration;
 use sessionflow_tests::{
     assert_replays_within, verify_pipeline, wait_until, Topics, WorkerProcess,
 };
-use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
+use sessionflow_tools::loadgen::{self, LoadgenOptions, SessionChoice};
 
 async fn scale_one_three_one(strategy: &str) {
     let topics = Topics::create(&format!("scale-{strategy}"), 8).await;

@@ -7,8 +7,8 @@ use std::time::Duration;
 use sessionflow_tests::{
     brokers, builtin, order_violations, produce_one, wait_until, RecordingHandler, Topics,
 };
+use sessionflow_tools::verify::read_topic;
 use sessionflow_worker::record::header;
-use sessionflow_worker::verify::read_topic;
 
 /// The sequence numbers `session`'s handler calls were made with, in order.
 fn handled(handler: &RecordingHandler, session: &str) -> Vec<u64> {

@@ -3,7 +3,7 @@
 //! reaches it with the same settings — the worker's consumer, producer and lag reporter (the
 //! stage's `kafka:` map, the credentials from the environment as the operator passes them),
 //! the operator's lag reader, and the tools (`loadgen`, `lag`, `verify`, `dlq-replay`,
-//! `create-topics`) through `--kafka-config`. A wrong password leaves a worker running and
+//! `create-topics`: the `sessionflow` binary) through `--kafka-config`. A wrong password leaves a worker running and
 //! not ready, with the reason in its log, and takes nothing from the input.
 
 use std::path::Path;
@@ -11,12 +11,10 @@ use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use sessionflow_operator::kafka::Connection;
-use sessionflow_tests::{
-    http_get, unique, wait_until, worker_binary, ScriptCluster, WorkerProcess,
-};
+use sessionflow_tests::{http_get, tools_binary, unique, wait_until, ScriptCluster, WorkerProcess};
+use sessionflow_tools::loadgen::{self, LoadgenOptions, SessionChoice};
 use sessionflow_worker::commit::lag;
 use sessionflow_worker::kafka::client_settings::ClientSettings;
-use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
 
 /// Ports of this test's cluster: 19440 … 19443 (the test broker uses 9092 …, chaos 19300 …).
 const PORT: u16 = 19440;
@@ -26,7 +24,7 @@ const RECORDS: u64 = 2_000;
 const SESSIONS: u64 = 50;
 
 fn tool(args: &[&str], config: &Path, brokers: &str) -> Output {
-    Command::new(worker_binary())
+    Command::new(tools_binary())
         .args(args)
         .args(["--brokers", brokers, "--kafka-config"])
         .arg(config)
@@ -65,7 +63,7 @@ async fn every_client_reaches_a_sasl_ssl_cluster_and_a_wrong_password_only_makes
         )
     };
     // Without the settings the cluster cannot be reached: the listener really is secured.
-    let plain = Command::new(worker_binary())
+    let plain = Command::new(tools_binary())
         .args([
             "create-topics",
             "--brokers",

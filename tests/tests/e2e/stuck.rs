@@ -5,9 +5,9 @@
 use std::time::Duration;
 
 use sessionflow_tests::{builtin, verify_pipeline, RecordingHandler, Topics};
+use sessionflow_tools::verify::read_topic;
 use sessionflow_worker::config::{StuckActionConfig, StuckConfig};
 use sessionflow_worker::record::header;
-use sessionflow_worker::verify::read_topic;
 
 use crate::produce_round_robin;
 

@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sessionflow_tests::{brokers, builtin, produce_one, RecordingHandler, Topics};
+use sessionflow_tools::verify::read_topic;
 use sessionflow_worker::record::header;
-use sessionflow_worker::verify::read_topic;
 use sessionflow_worker::HandlerError;
 
 /// (trace id, parent span id) of a traceparent.

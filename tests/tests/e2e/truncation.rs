@@ -20,8 +20,8 @@ use sessionflow_tests::{
     committed_offsets_on, end_offsets_on, kafka_script, unique, wait_until, ScriptCluster, Topics,
     WorkerProcess,
 };
-use sessionflow_worker::loadgen::{self, LoadgenOptions, SessionChoice};
-use sessionflow_worker::verify::{self, VerifyOptions, VerifyReport};
+use sessionflow_tools::loadgen::{self, LoadgenOptions, SessionChoice};
+use sessionflow_tools::verify::{self, VerifyOptions, VerifyReport};
 
 /// Ports of this test's cluster: 19460 … 19471 (the test broker uses 9092 …, the SASL_SSL
 /// test 19440 …, chaos 19300 …).

@@ -10,10 +10,10 @@ use rdkafka::{Offset, TopicPartitionList};
 use sessionflow_operator::autoscale::{self, History, Policy, Signal};
 use sessionflow_operator::kafka::Connection;
 use sessionflow_tests::{brokers, end_offsets, unique};
+use sessionflow_tools::loadgen::{self, LoadgenOptions};
 use sessionflow_worker::commit::lag::{self, PartitionLag};
 use sessionflow_worker::commit::offset_map;
 use sessionflow_worker::kafka::topics;
-use sessionflow_worker::loadgen::{self, LoadgenOptions};
 
 fn member(brokers: &str, group: &str) -> BaseConsumer {
     ClientConfig::new()

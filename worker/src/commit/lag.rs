@@ -10,7 +10,17 @@
 //! above the watermark are already done. *Effective lag* subtracts those: it is the work that
 //! is really left, and what the operator scales on. Brokers that drop commit metadata (nisshi)
 //! make the two equal.
+//!
+//! Who reads it: the stage's own reporter ([`LagReporter`], the `sessionflow_partition_lag`
+//! gauge), and from outside the group the operator's autoscaler and the tools (`sessionflow
+//! lag`, the demo's progress) through [`LagReader`]s kept in a [`LagReaders`]: one client per
+//! connection and group, made once and read again, since a librdkafka client costs threads and
+//! broker connections, too much to make for every read.
 
+use std::collections::{HashMap, HashSet};
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use rdkafka::config::ClientConfig;
@@ -121,6 +131,131 @@ pub fn read_with(
             })
         })
         .collect()
+}
+
+/// Timeout of each broker request of a [`LagReader`]'s read.
+const READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A client of one group's committed offsets (and the topic's watermarks), kept to read again;
+/// it never subscribes, joins or commits. Clones share the client.
+///
+/// librdkafka calls block: [`read`](Self::read) runs them on the blocking pool. A read its caller
+/// stopped waiting for (a deadline passed) still holds the reader until librdkafka gives up, and
+/// the reader refuses to start a second read meanwhile, so an unreachable cluster costs one
+/// blocking thread per reader, not one more per attempt.
+#[derive(Clone)]
+pub struct LagReader {
+    consumer: Arc<BaseConsumer>,
+    /// A read is running (perhaps one nobody waits for any more).
+    busy: Arc<AtomicBool>,
+}
+
+/// Clears a reader's `busy` flag when its read ends, however it ends.
+struct Busy(Arc<AtomicBool>);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+impl LagReader {
+    /// A reader of `group`'s lag over `kafka`'s connection (made without reaching a broker).
+    pub fn new(kafka: impl Into<ClientSettings>, group: &str) -> anyhow::Result<Self> {
+        let consumer = kafka
+            .into()
+            .base()
+            .set("group.id", group)
+            .set("enable.auto.commit", "false")
+            .create()?;
+        Ok(Self {
+            consumer: Arc::new(consumer),
+            busy: Arc::default(),
+        })
+    }
+
+    /// Lag of the group on every partition of `topic`, on the blocking pool. Fails at once
+    /// while an earlier read of this reader has not returned.
+    pub async fn read(&self, topic: &str) -> anyhow::Result<Vec<PartitionLag>> {
+        let busy = self.claim()?;
+        let reader = self.clone();
+        let topic = topic.to_string();
+        tokio::task::spawn_blocking(move || reader.read_claimed(&topic, busy)).await?
+    }
+
+    /// Like [`read`](Self::read), on this thread (it blocks).
+    pub fn read_blocking(&self, topic: &str) -> anyhow::Result<Vec<PartitionLag>> {
+        let busy = self.claim()?;
+        self.read_claimed(topic, busy)
+    }
+
+    fn claim(&self) -> anyhow::Result<Busy> {
+        anyhow::ensure!(
+            !self.busy.swap(true, Ordering::AcqRel),
+            "the previous lag read has not returned yet (the cluster does not answer)"
+        );
+        Ok(Busy(self.busy.clone()))
+    }
+
+    fn read_claimed(&self, topic: &str, _busy: Busy) -> anyhow::Result<Vec<PartitionLag>> {
+        // Serve what queued up since the last read (client errors and logs), so a reader kept
+        // for days does not accumulate them.
+        while self.consumer.poll(Duration::ZERO).is_some() {}
+        read_with(&self.consumer, topic, READ_TIMEOUT)
+    }
+}
+
+/// Which reader: the connection's fingerprint (its settings, secrets among them, are not kept
+/// twice) and the group.
+type ReaderKey = (u64, String);
+
+/// Lag readers kept from one round of reads to the next (the operator's autoscaling passes,
+/// the demo's ticks), one per connection and group. A reader not asked for during a whole round
+/// (its stage or pipeline is gone, or its credentials changed, which changes the connection) is
+/// dropped by [`forget_unused`](Self::forget_unused).
+#[derive(Default)]
+pub struct LagReaders {
+    readers: HashMap<ReaderKey, LagReader>,
+    used: HashSet<ReaderKey>,
+    created: usize,
+}
+
+impl LagReaders {
+    /// The reader of `group` on `connection`, made on first use.
+    pub fn get(
+        &mut self,
+        connection: &(impl AsRef<ClientSettings> + ?Sized),
+        group: &str,
+    ) -> anyhow::Result<LagReader> {
+        let settings = connection.as_ref();
+        let mut hasher = DefaultHasher::new();
+        settings.hash(&mut hasher);
+        let key = (hasher.finish(), group.to_string());
+        self.used.insert(key.clone());
+        if let Some(reader) = self.readers.get(&key) {
+            return Ok(reader.clone());
+        }
+        let reader = LagReader::new(settings, group)?;
+        self.created += 1;
+        self.readers.insert(key, reader.clone());
+        Ok(reader)
+    }
+
+    /// Drops the readers not asked for since the last call.
+    pub fn forget_unused(&mut self) {
+        let used = std::mem::take(&mut self.used);
+        self.readers.retain(|key, _| used.contains(key));
+    }
+
+    /// Readers kept now.
+    pub fn kept(&self) -> usize {
+        self.readers.len()
+    }
+
+    /// Clients made so far.
+    pub fn created(&self) -> usize {
+        self.created
+    }
 }
 
 /// The partitions this worker holds, shared between the consumer loop (writer) and the lag
@@ -239,6 +374,39 @@ mod tests {
             Some("false"),
             "never commits"
         );
+    }
+
+    #[test]
+    fn readers_are_kept_per_connection_and_group_and_dropped_when_unused() {
+        // Nothing listens there: making a client does not need a broker.
+        let a = ClientSettings::new("127.0.0.1:1");
+        let b = ClientSettings::with_properties("127.0.0.1:1", [("client.id", "b")]);
+        let mut readers = LagReaders::default();
+        readers.get(&a, "g1").unwrap();
+        readers.get(&a, "g1").unwrap();
+        readers.get(&a, "g2").unwrap();
+        readers.get(&b, "g1").unwrap();
+        assert_eq!((readers.kept(), readers.created()), (3, 3));
+        readers.forget_unused();
+        assert_eq!(readers.kept(), 3, "all three were used in that round");
+        readers.get(&a, "g1").unwrap();
+        readers.forget_unused();
+        assert_eq!(readers.kept(), 1, "only a/g1 was used in the last round");
+        readers.get(&a, "g1").unwrap();
+        assert_eq!(readers.created(), 3, "a kept reader is not made again");
+    }
+
+    #[test]
+    fn a_reader_refuses_a_second_read_while_one_runs() {
+        let reader = LagReader::new("127.0.0.1:1", "g").unwrap();
+        let running = reader.claim().unwrap();
+        let refused = reader.clone().read_blocking("t").unwrap_err();
+        assert!(
+            refused.to_string().contains("has not returned"),
+            "{refused}"
+        );
+        drop(running);
+        assert!(reader.claim().is_ok(), "free again once the read ends");
     }
 
     fn lag(low: i64, high: i64, committed: Option<i64>) -> i64 {

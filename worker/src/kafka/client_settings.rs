@@ -124,6 +124,14 @@ impl ClientSettings {
     }
 }
 
+/// What holds a connection's settings (the operator's `Connection`) hands them to the readers
+/// keyed by them (`commit::lag::LagReaders`).
+impl AsRef<ClientSettings> for ClientSettings {
+    fn as_ref(&self) -> &ClientSettings {
+        self
+    }
+}
+
 /// A plaintext cluster's bootstrap list: lets the tools' functions take `&str` as before.
 impl From<&str> for ClientSettings {
     fn from(brokers: &str) -> Self {

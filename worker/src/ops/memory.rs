@@ -4,16 +4,22 @@
 //! Every record is copied into an owned `InputRecord` on the consumer loop's thread and freed on
 //! a tokio worker once its session is done with it, so the record path is a stream of
 //! allocations freed on another thread. glibc's malloc pays for that traffic with arena locks,
-//! chunk consolidation and per-thread caches that keep running dry; with the feature `jemalloc`
-//! (on by default) the engine declares jemalloc the global allocator instead, for every binary
-//! that links it (the worker, the bench, the tests). Measured in BENCHMARKS.md ("The
-//! allocator"): P1 drains ~1.7 × faster on it than on glibc, mimalloc sits between the two, and
-//! jemalloc can give every arena's free pages back on request.
+//! chunk consolidation and per-thread caches that keep running dry, so the worker binary
+//! declares jemalloc its global allocator (feature `jemalloc`, on by default; `src/main.rs`).
+//! The library does not: a binary linking the engine chooses its own allocator (the bench and
+//! the tests choose jemalloc too, the operator and the tools the system's). Measured in
+//! BENCHMARKS.md ("The allocator"): P1 drains ~1.7 × faster on it than on glibc, mimalloc sits
+//! between the two, and jemalloc can give every arena's free pages back on request.
 //!
 //! jemalloc is linked unprefixed, so it is the C libraries' `malloc` too: librdkafka allocates
 //! every fetched message's op and parsed headers on its own threads and the consumer loop frees
 //! them, the same cross-thread traffic, which glibc served at ~1,200 instructions per record
 //! (BENCHMARKS.md, "The allocator"). One allocator also means one heap to count and to purge.
+//!
+//! Since the binary chooses, what this module does with the heap (statistics, purges) asks at
+//! run time whether jemalloc is the allocator ([`jemalloc_in_use`]: does an allocation show in
+//! jemalloc's count of this thread's bytes?) and takes the system's path when it is not
+//! (glibc's `mallinfo2` and `malloc_trim`).
 //!
 //! A burst of new sessions (a million users arriving at once) grows the heap by a few KB per
 //! live session. When the burst is over and the idle sessions are reaped, the memory is free
@@ -83,9 +89,34 @@ pub async fn trim_after_reaps(live_sessions: IntGauge, stop: CancellationToken) 
     }
 }
 
-#[cfg(feature = "jemalloc")]
+/// The lib's own test binary runs on jemalloc, as the worker does, so that the tests of the
+/// statistics, the purge and `malloc_conf` read a heap jemalloc serves.
+#[cfg(all(test, feature = "jemalloc"))]
 #[global_allocator]
-static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+static TEST_ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
+/// Whether jemalloc serves this process's allocations: the binary's `#[global_allocator]`, or
+/// (linked unprefixed) the `malloc` under Rust's system allocator. Probed once: an allocation of
+/// a MiB through the global allocator must show in jemalloc's count of this thread's bytes.
+/// False without the feature `jemalloc`.
+pub fn jemalloc_in_use() -> bool {
+    #[cfg(feature = "jemalloc")]
+    {
+        static IN_USE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *IN_USE.get_or_init(|| {
+            const PROBE: usize = 1 << 20;
+            let Some(before) = mallctl::<u64>(c"thread.allocated", None) else {
+                return false;
+            };
+            let block = std::hint::black_box(Vec::<u8>::with_capacity(PROBE));
+            let after = mallctl::<u64>(c"thread.allocated", None);
+            drop(block);
+            after.is_some_and(|after| after.wrapping_sub(before) >= PROBE as u64)
+        })
+    }
+    #[cfg(not(feature = "jemalloc"))]
+    false
+}
 
 /// jemalloc's options, read once at its start (`MALLOC_CONF` in the environment overrides
 /// them). `muzzy_decay_ms:0`: a purged page is returned at once (MADV_DONTNEED), not only marked
@@ -111,12 +142,15 @@ pub static malloc_conf: Option<&'static std::ffi::c_char> =
             .as_ptr()
     });
 
-/// Hands the heap's free pages back to the kernel: jemalloc's arenas with the feature (which
-/// serve the C libraries too), glibc's heap without it.
+/// Hands the heap's free pages back to the kernel: jemalloc's arenas when it is the allocator
+/// (they serve the C libraries too), glibc's heap otherwise.
 fn trim() {
     #[cfg(feature = "jemalloc")]
-    purge_jemalloc();
-    #[cfg(all(not(feature = "jemalloc"), target_os = "linux", target_env = "gnu"))]
+    if jemalloc_in_use() {
+        purge_jemalloc();
+        return;
+    }
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim only hands free pages of the heap back to the kernel.
     unsafe {
         libc::malloc_trim(0);
@@ -145,23 +179,23 @@ fn purge_jemalloc() {
 /// Bytes allocated and not yet freed, as the allocator counts them (a diagnostic: RSS above
 /// this is pages the allocator keeps mapped). `None` when the allocator does not say.
 pub fn allocated_bytes() -> Option<u64> {
-    allocated()
+    #[cfg(feature = "jemalloc")]
+    if jemalloc_in_use() {
+        return jemalloc_stat(c"stats.allocated");
+    }
+    system_allocated()
 }
 
 /// Bytes the allocator spends on its own books and never gives back (jemalloc's extent
 /// descriptors and its radix tree of pages grow with the heap's peak and stay there): a
 /// diagnostic of what a burst leaves behind after every session is gone. `None` when the
-/// allocator does not say.
+/// allocator does not say (any but jemalloc).
 pub fn metadata_bytes() -> Option<u64> {
     #[cfg(feature = "jemalloc")]
-    return jemalloc_stat(c"stats.metadata");
-    #[cfg(not(feature = "jemalloc"))]
+    if jemalloc_in_use() {
+        return jemalloc_stat(c"stats.metadata");
+    }
     None
-}
-
-#[cfg(feature = "jemalloc")]
-fn allocated() -> Option<u64> {
-    jemalloc_stat(c"stats.allocated")
 }
 
 /// One of jemalloc's statistics, fresh: they are a snapshot taken when the epoch is advanced.
@@ -198,18 +232,16 @@ fn mallctl<T: Copy + Default>(name: &std::ffi::CStr, new: Option<T>) -> Option<T
     (rc == 0 && old_len == size_of::<T>()).then_some(old)
 }
 
-#[cfg(all(not(feature = "jemalloc"), target_os = "linux", target_env = "gnu"))]
-fn allocated() -> Option<u64> {
+/// glibc's count of the bytes its heap has handed out.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn system_allocated() -> Option<u64> {
     // SAFETY: mallinfo2 only reads the allocator's statistics.
     let info = unsafe { libc::mallinfo2() };
     Some((info.uordblks + info.hblkhd) as u64)
 }
 
-#[cfg(all(
-    not(feature = "jemalloc"),
-    not(all(target_os = "linux", target_env = "gnu"))
-))]
-fn allocated() -> Option<u64> {
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn system_allocated() -> Option<u64> {
     None
 }
 
@@ -258,6 +290,13 @@ mod tests {
             after + (48 << 20) < resident,
             "RSS {resident} -> {after}: the freed pages stayed mapped"
         );
+    }
+
+    /// The probe finds the test binary's allocator.
+    #[cfg(feature = "jemalloc")]
+    #[test]
+    fn jemalloc_is_found_to_be_the_allocator() {
+        assert!(jemalloc_in_use());
     }
 
     /// librdkafka's buffers come from the same heap as Rust's: `malloc` is jemalloc's.

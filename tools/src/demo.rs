@@ -22,19 +22,20 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tokio_util::task::AbortOnDropHandle;
 
-use crate::config::{HandlerConfig, StageConfig};
 use crate::loadgen::{self, LoadgenOptions};
+use sessionflow_worker::config::{HandlerConfig, StageConfig};
+use sessionflow_worker::kafka::client_settings::ClientSettings;
 
 use broker::Broker;
 use pipeline::Pipeline;
-use progress::LagReaders;
+use progress::StageLags;
 use scrape::Scraper;
 use stages::StageProcesses;
 
 /// How often the demo polls the stages and the broker.
 const TICK: Duration = Duration::from_millis(500);
 
-/// What `sessionflow-worker demo` was asked to do.
+/// What `sessionflow demo` was asked to do.
 #[derive(Debug, Clone)]
 pub struct DemoOptions {
     /// A real broker; `None` runs the embedded one.
@@ -51,7 +52,7 @@ pub struct DemoOptions {
     /// Longest wait for the pipeline to finish after the load starts.
     pub timeout: Duration,
     /// The `sessionflow-worker` binary the stages run.
-    pub exe: PathBuf,
+    pub worker_bin: PathBuf,
 }
 
 /// Runs the demo; `Ok(false)` when the verification failed. On SIGINT or SIGTERM the stage
@@ -116,7 +117,7 @@ async fn run_to_end(opts: &DemoOptions) -> anyhow::Result<bool> {
 
     let dir = opts.state_dir.join(format!("run-{run_id}"));
     std::fs::create_dir_all(&dir)?;
-    let mut stages = StageProcesses::start(&opts.exe, &pipeline, &brokers, &dir)?;
+    let mut stages = StageProcesses::start(&opts.worker_bin, &pipeline, &brokers, &dir)?;
     println!(
         "== stages: {} worker processes started; configs and logs in {}",
         stages.procs.len(),
@@ -143,7 +144,7 @@ async fn run_to_end(opts: &DemoOptions) -> anyhow::Result<bool> {
     };
     // Aborted if the demo ends early (its producer must not outlive the embedded broker).
     let load = AbortOnDropHandle::new(tokio::spawn(async move { loadgen::run(&load).await }));
-    let lags = LagReaders::new(&brokers, &pipeline)?;
+    let lags = StageLags::new(ClientSettings::new(brokers.as_str()), &pipeline)?;
     let started = Instant::now();
     let finals = progress::watch(
         &mut stages,
@@ -195,7 +196,7 @@ async fn run_to_end(opts: &DemoOptions) -> anyhow::Result<bool> {
     }
     if let Some(b) = &opts.brokers {
         println!(
-            "   again: sessionflow-worker verify --brokers {b} --topic {} --dlq {} --input {}",
+            "   again: sessionflow verify --brokers {b} --topic {} --dlq {} --input {}",
             pipeline.output(),
             pipeline.dlqs()[0],
             pipeline.input()

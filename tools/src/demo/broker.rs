@@ -7,21 +7,19 @@
 
 use std::time::Duration;
 
-use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::DefaultProducerContext;
 
-use crate::kafka::topics;
+use sessionflow_worker::kafka::client_settings::ClientSettings;
+use sessionflow_worker::kafka::topics;
 
 /// How long a real broker gets to answer a metadata request before the demo gives up.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Fails fast, with a hint, when nothing answers at `brokers`.
 fn answers(brokers: &str) -> anyhow::Result<()> {
-    let client: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .create()?;
+    let client: BaseConsumer = ClientSettings::new(brokers).base().create()?;
     client.fetch_metadata(None, ANSWER_TIMEOUT).map_err(|e| {
         anyhow::anyhow!(
             "no broker answers at {brokers} ({e}); start one (scripts/broker.sh start) or leave \

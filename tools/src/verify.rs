@@ -17,8 +17,8 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Headers;
 use rdkafka::{Message, Offset, TopicPartitionList};
 
-use crate::kafka::client_settings::ClientSettings;
-use crate::record::header;
+use sessionflow_worker::kafka::client_settings::ClientSettings;
+use sessionflow_worker::record::header;
 
 /// One record as `verify` sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -19,10 +19,10 @@ use std::time::Duration;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
-use crate::kafka::client_settings::ClientSettings;
-use crate::output::dlq;
-use crate::record::header;
 use crate::verify::{self, SeqRecord};
+use sessionflow_worker::kafka::client_settings::ClientSettings;
+use sessionflow_worker::output::dlq;
+use sessionflow_worker::record::header;
 
 /// Header naming the event id a replayed record was made from.
 pub const REPLAY_OF: &str = "sessionflow-replay-of";

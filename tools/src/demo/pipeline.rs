@@ -9,7 +9,7 @@
 use std::collections::HashSet;
 use std::path::Path;
 
-use crate::config::StageConfig;
+use sessionflow_worker::config::StageConfig;
 
 /// The stages of a linear pipeline, in record order.
 #[derive(Debug, Clone)]

@@ -19,8 +19,8 @@ use std::time::Duration;
 
 use super::pipeline::Pipeline;
 use super::scrape::StageSnapshot;
-use crate::record::header;
 use crate::verify::{self, Checker, SeqRecord, VerifyReport};
+use sessionflow_worker::record::header;
 
 /// The topics read back after the run.
 pub(super) struct ReadBack {

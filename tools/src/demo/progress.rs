@@ -3,32 +3,33 @@
 //! Each stage's progress comes from its `/metrics` (records finished, retries, dead letters)
 //! and its group's lag, read from the broker. The pipeline is done when, after the load has
 //! been fully acknowledged, each stage in turn has committed all of its input: a stage is
-//! checked only after the one before it was seen done, so nothing more can reach it.
+//! checked only after the one before it was seen done, so nothing more can reach it. The lag
+//! comes through the engine's [`lag::LagReaders`], the operator's autoscaler's too.
 
 use std::fmt::Write as _;
 use std::io::IsTerminal;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdkafka::config::ClientConfig;
-use rdkafka::consumer::BaseConsumer;
+use sessionflow_worker::kafka::client_settings::ClientSettings;
 use tokio_util::task::AbortOnDropHandle;
 
 use super::pipeline::Pipeline;
 use super::scrape::{Scraper, StageSnapshot};
 use super::stages::StageProcesses;
 use super::TICK;
-use crate::commit::lag;
 use crate::loadgen;
+use sessionflow_worker::commit::lag;
 
 /// How often a progress line is printed when stderr is not a terminal.
 const PLAIN_PROGRESS_EVERY: Duration = Duration::from_secs(5);
-/// Timeout of one broker request made by the demo itself.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// One client per stage group, reading its lag on its input topic from the broker.
-pub(super) struct LagReaders {
-    readers: Vec<(BaseConsumer, String)>,
+/// Every stage group's lag on its input topic, read from the broker: one reader per group, kept
+/// from tick to tick.
+pub(super) struct StageLags {
+    kafka: ClientSettings,
+    /// Each stage's group and input topic, in pipeline order.
+    stages: Vec<(String, String)>,
+    readers: lag::LagReaders,
 }
 
 /// Lag of one stage's group, and how many records its input topic holds.
@@ -38,32 +39,37 @@ struct StageLag {
     high: i64,
 }
 
-impl LagReaders {
-    pub(super) fn new(brokers: &str, pipeline: &Pipeline) -> anyhow::Result<Self> {
-        let readers = pipeline
+impl StageLags {
+    pub(super) fn new(kafka: ClientSettings, pipeline: &Pipeline) -> anyhow::Result<Self> {
+        let stages = pipeline
             .stages
             .iter()
-            .map(|s| {
-                let consumer: BaseConsumer = ClientConfig::new()
-                    .set("bootstrap.servers", brokers)
-                    .set("group.id", s.group_id())
-                    .set("enable.auto.commit", "false")
-                    .create()?;
-                Ok((consumer, s.input.clone()))
-            })
-            .collect::<anyhow::Result<_>>()?;
-        Ok(Self { readers })
+            .map(|s| (s.group_id(), s.input.clone()))
+            .collect();
+        let mut lags = Self {
+            kafka,
+            stages,
+            readers: lag::LagReaders::default(),
+        };
+        // Every client made now: a bad setting fails the demo before the stages start.
+        for (group, _) in &lags.stages {
+            lags.readers.get(&lags.kafka, group)?;
+        }
+        Ok(lags)
     }
 
     /// Reads every stage's lag, in stage order (blocking). `done[k]` is true when stage k has
     /// committed all of its input and, before that was read, every stage before it was done
     /// too (`upstream_done` for the first stage): then nothing more can arrive.
-    fn read(&self, upstream_done: bool) -> (Vec<Option<StageLag>>, Vec<bool>) {
+    fn read(&mut self, upstream_done: bool) -> (Vec<Option<StageLag>>, Vec<bool>) {
         let mut lags = Vec::new();
         let mut done = Vec::new();
         let mut before = upstream_done;
-        for (consumer, topic) in &self.readers {
-            let read = lag::read_with(consumer, topic, REQUEST_TIMEOUT)
+        for (group, topic) in &self.stages {
+            let read = self
+                .readers
+                .get(&self.kafka, group)
+                .and_then(|reader| reader.read_blocking(topic))
                 .ok()
                 .map(|l| StageLag {
                     lag: lag::total(&l),
@@ -81,14 +87,13 @@ impl LagReaders {
 pub(super) async fn watch(
     stages: &mut StageProcesses,
     scraper: &Scraper,
-    lags: LagReaders,
+    mut lags: StageLags,
     load: &AbortOnDropHandle<anyhow::Result<loadgen::LoadgenReport>>,
     records: u64,
     deadline: Instant,
 ) -> anyhow::Result<Vec<StageSnapshot>> {
     let names: Vec<String> = stages.procs.iter().map(|p| p.stage.clone()).collect();
     let mut view = ProgressView::new(&names, records);
-    let lags = Arc::new(lags);
     let mut now = Figures {
         produced: 0,
         snaps: vec![StageSnapshot::default(); names.len()],
@@ -98,8 +103,14 @@ pub(super) async fn watch(
     loop {
         stages.check_running()?;
         let loaded = load.is_finished();
-        let readers = lags.clone();
-        (now.lags, now.done) = tokio::task::spawn_blocking(move || readers.read(loaded)).await?;
+        // The readers go to the blocking pool for the read and come back with the figures.
+        let read;
+        (lags, read) = tokio::task::spawn_blocking(move || {
+            let read = lags.read(loaded);
+            (lags, read)
+        })
+        .await?;
+        (now.lags, now.done) = read;
         now.produced = now.lags[0].map_or(0, |l| l.high.max(0) as u64);
         // Read after the lags: once the last stage is done, the counters include everything.
         now.refresh(scraper.scrape_all(stages).await);

@@ -16,8 +16,8 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
-use crate::kafka::client_settings::ClientSettings;
-use crate::record::header;
+use sessionflow_worker::kafka::client_settings::ClientSettings;
+use sessionflow_worker::record::header;
 
 /// How sessions are picked for each record.
 #[derive(Debug, Clone, Copy, PartialEq)]
