@@ -1,0 +1,182 @@
+//! The Kafka premises of the exactly-once design (docs/exactly-once.md), on the broker under
+//! test, with the clients the worker uses and no worker: one transactional producer per input
+//! partition (`commit::exactly_once::transactional_id`) fences an older owner's, and the
+//! completed-offset map rides the transaction's offset commit.
+//!
+//! Needs a broker with transactions (Apache Kafka; a single node needs
+//! `transaction.state.log.replication.factor=1`, which `scripts/kafka.sh` sets).
+
+use std::time::{Duration, Instant};
+
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+use rdkafka::{Message, Offset, TopicPartitionList};
+use sessionflow_tests::{brokers, Topics};
+use sessionflow_worker::commit::exactly_once::transactional_id;
+use sessionflow_worker::commit::offset_map;
+
+const T: Duration = Duration::from_secs(30);
+
+fn transactional(id: &str) -> BaseProducer {
+    let p: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("transactional.id", id)
+        // Long, so that an open transaction that ends within this test was ended by a fence,
+        // not by the broker's timeout.
+        .set("transaction.timeout.ms", "120000")
+        .create()
+        .expect("transactional producer");
+    p.init_transactions(T).expect("init_transactions");
+    p
+}
+
+fn send(p: &BaseProducer, topic: &str, value: &str) {
+    p.send(BaseRecord::to(topic).key("s1").payload(value))
+        .map_err(|(e, _)| e)
+        .expect("send");
+    p.flush(T).expect("flush");
+}
+
+/// What a consumer with `isolation` reads of partition 0 of `topic`, from the start, until
+/// `want` records (then a second more, for extras) or `within`.
+fn read(topic: &str, isolation: &str, want: usize, within: Duration) -> Vec<String> {
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", "unused")
+        .set("isolation.level", isolation)
+        .set("enable.auto.commit", "false")
+        .create()
+        .expect("reader");
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(topic, 0, Offset::Beginning)
+        .unwrap();
+    c.assign(&tpl).expect("assign");
+    let mut got = Vec::new();
+    let deadline = Instant::now() + within;
+    let mut extra_until: Option<Instant> = None;
+    while Instant::now() < extra_until.unwrap_or(deadline) {
+        if let Some(Ok(m)) = c.poll(Duration::from_millis(100)) {
+            got.push(String::from_utf8_lossy(m.payload().unwrap_or_default()).into_owned());
+        }
+        if got.len() >= want && extra_until.is_none() {
+            extra_until = Some(Instant::now() + Duration::from_secs(1));
+        }
+    }
+    got
+}
+
+fn committed(group: &str, topic: &str) -> (i64, String) {
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", group)
+        .create()
+        .unwrap();
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition(topic, 0);
+    let got = c.committed_offsets(tpl, T).unwrap();
+    let e = got.find_partition(topic, 0).unwrap();
+    match e.offset() {
+        Offset::Offset(o) => (o, e.metadata().to_string()),
+        _ => (-1, String::new()),
+    }
+}
+
+fn offsets(topic: &str, offset: i64, metadata: &str) -> TopicPartitionList {
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(topic, 0, Offset::Offset(offset))
+        .unwrap();
+    tpl.find_partition(topic, 0).unwrap().set_metadata(metadata);
+    tpl
+}
+
+/// The owner of input partition 0 commits a transaction (an output, the input offset with a
+/// completed-offset map), then writes into a second one and freezes. The partition's next
+/// owner opens a producer with the same transactional id: the frozen owner's open transaction
+/// is aborted at once (read_committed readers are not held until its timeout), its late writes
+/// and its commit are refused, and only committed outputs are visible, once each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_owners_transactional_id_fences_the_old_owner_and_the_map_rides_the_transaction() {
+    let topics = Topics::create("eos-fence", 1).await;
+    let id = transactional_id(&topics.group, &topics.input, 0);
+
+    // A member of the stage's group: its group metadata goes with each transaction's offsets.
+    let member: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", &topics.group)
+        .set("isolation.level", "read_committed")
+        .set("enable.auto.commit", "false")
+        .create()
+        .expect("member");
+    member.subscribe(&[&topics.input]).expect("subscribe");
+    let deadline = Instant::now() + T;
+    while member.assignment().map_or(0, |a| a.count()) == 0 {
+        assert!(Instant::now() < deadline, "never assigned");
+        let _ = member.poll(Duration::from_millis(100));
+    }
+    let group = member.group_metadata().expect("group metadata");
+
+    // The first owner: offsets 2 and 4 unfinished, 3 and 5 done.
+    let map = offset_map::encode(2, 6, 0, [2, 4]).expect("map");
+    assert!(!map.is_empty());
+    let old = transactional(&id);
+    old.begin_transaction().unwrap();
+    send(&old, &topics.output, "old-committed");
+    old.send_offsets_to_transaction(&offsets(&topics.input, 2, &map), &group, T)
+        .expect("offsets in the transaction");
+    old.commit_transaction(T).expect("commit");
+    let (offset, metadata) = committed(&topics.group, &topics.input);
+    assert_eq!(offset, 2);
+    assert_eq!(
+        metadata, map,
+        "the map rides the transactional offset commit"
+    );
+    let done = offset_map::decode(2, &metadata).expect("decodes");
+    assert!(done.is_done(3, 0) && done.is_done(5, 0) && !done.is_done(4, 0));
+
+    // It writes into its next transaction, and is frozen before committing.
+    old.begin_transaction().unwrap();
+    send(&old, &topics.output, "old-open");
+
+    // The partition's next owner: same id. Its init aborts the old open transaction.
+    let new = transactional(&id);
+    new.begin_transaction().unwrap();
+    send(&new, &topics.output, "new-committed");
+    new.send_offsets_to_transaction(&offsets(&topics.input, 6, ""), &group, T)
+        .expect("offsets in the new owner's transaction");
+    new.commit_transaction(T).expect("new owner's commit");
+
+    // The old owner resumes: a late write and its commit are refused by the broker.
+    let _ = old.send(BaseRecord::to(&topics.output).key("s1").payload("old-late"));
+    let _ = old.flush(Duration::from_secs(10));
+    let late = old.send_offsets_to_transaction(&offsets(&topics.input, 9, ""), &group, T);
+    let end = old.commit_transaction(T);
+    assert!(
+        late.is_err() || end.is_err(),
+        "the fenced owner committed: {late:?} {end:?}"
+    );
+    assert!(end.is_err(), "the fenced owner's commit: {end:?}");
+
+    // Well within the old transaction's 120 s timeout: the fence aborted it.
+    let visible = read(&topics.output, "read_committed", 2, Duration::from_secs(20));
+    assert_eq!(visible, ["old-committed", "new-committed"]);
+    let raw = read(
+        &topics.output,
+        "read_uncommitted",
+        3,
+        Duration::from_secs(10),
+    );
+    assert!(
+        raw.contains(&"old-open".to_string()),
+        "the aborted write is in the log, only not visible: {raw:?}"
+    );
+    assert!(!raw.contains(&"old-late".to_string()), "{raw:?}");
+    assert_eq!(
+        committed(&topics.group, &topics.input),
+        (6, String::new()),
+        "the new owner's offsets stand"
+    );
+
+    drop(member);
+    topics.delete().await;
+}
