@@ -1,7 +1,9 @@
-//! The Kafka premises of the exactly-once design (docs/exactly-once.md), on the broker under
-//! test, with the clients the worker uses and no worker: one transactional producer per input
-//! partition (`commit::exactly_once::transactional_id`) fences an older owner's, and the
-//! completed-offset map rides the transaction's offset commit.
+//! Exactly-once stages (docs/exactly-once.md), on the broker under test. First the Kafka
+//! premises of the design, with the clients the worker uses and no worker: one transactional
+//! producer per input partition (`commit::exactly_once::transactional_id`) fences an older
+//! owner's, and the completed-offset map rides the transaction's offset commit. Then the
+//! worker in `delivery: exactlyOnce`, killed and stopped while records flow: every record once
+//! in the read_committed output (or the DLQ), in order per session.
 //!
 //! Needs a broker with transactions (Apache Kafka; a single node needs
 //! `transaction.state.log.replication.factor=1`, which `scripts/kafka.sh` sets).
@@ -12,7 +14,7 @@ use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use rdkafka::{Message, Offset, TopicPartitionList};
-use sessionflow_tests::{brokers, Topics};
+use sessionflow_tests::{brokers, verify_pipeline, wait_until, Topics, WorkerProcess};
 use sessionflow_worker::commit::exactly_once::transactional_id;
 use sessionflow_worker::commit::offset_map;
 
@@ -178,5 +180,54 @@ async fn the_next_owners_transactional_id_fences_the_old_owner_and_the_map_rides
     );
 
     drop(member);
+    topics.delete().await;
+}
+
+/// A worker in `exactlyOnce` is killed (-9) mid-flow, the next one stopped with SIGTERM
+/// mid-flow, a third finishes: the read_committed output has every record exactly once (the
+/// poison ones in the DLQ, once), in order per session, and the group committed to the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exactly_once_stage_killed_and_stopped_mid_flow_outputs_every_record_once() {
+    let topics = Topics::create("eos-kill", 4).await;
+    let total = 10_000;
+    crate::produce_round_robin(&topics, 100, 100).await;
+    let yaml = topics.stage_yaml(
+        "{transientRate: 0.05, poisonRate: 0.01, latencyMs: 5, seed: 11}",
+        "delivery: exactlyOnce",
+    );
+
+    let first = WorkerProcess::spawn(&yaml);
+    wait_until(Duration::from_secs(120), || topics.output_count() >= 2_000)
+        .await
+        .expect("the first worker made progress");
+    first.kill();
+    let at_kill = topics.output_count();
+
+    let second = WorkerProcess::spawn(&yaml);
+    wait_until(Duration::from_secs(120), || {
+        topics.output_count() >= at_kill + 2_000
+    })
+    .await
+    .expect("the second worker made progress");
+    let status = second.terminate();
+    let at_stop = topics.output_count();
+    assert!(at_stop < total, "stopped too late to test anything");
+
+    let third = WorkerProcess::spawn(&yaml);
+    topics.wait_fully_committed(Duration::from_secs(180)).await;
+    third.terminate();
+
+    let report = verify_pipeline(&topics);
+    eprintln!(
+        "exactlyOnce, kill -9 at {at_kill} and SIGTERM ({status}) at {at_stop} output offsets:\n{report}"
+    );
+    assert!(report.is_ok(), "{report}");
+    assert_eq!(report.duplicates, 0, "{report}");
+    assert_eq!(
+        report.records + report.dlq_records,
+        total as u64,
+        "{report}"
+    );
+    assert!(report.dlq_records > 0, "{report}");
     topics.delete().await;
 }

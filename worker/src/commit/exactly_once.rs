@@ -27,6 +27,10 @@ use std::time::Duration;
 
 use crate::commit::offset_map::MAX_METADATA;
 use crate::commit::offsets::{Offset, Partition};
+use crate::config::{
+    ConfigError, Delivery, StageConfig, EXACTLY_ONCE_MESSAGE_TIMEOUT_MS,
+    EXACTLY_ONCE_TRANSACTION_TIMEOUT_MS, REVOCATION_COMMIT_ALLOWANCE_MS,
+};
 
 /// The transactional id of the producer that writes the results of `partition` of `topic` for
 /// the consumer group `group`. One per input partition: its next owner uses the same id, and
@@ -114,6 +118,28 @@ pub fn check_in_flight_cap(cap: usize) -> Result<(), EosConfigError> {
         return Err(EosConfigError::InFlightCap { cap });
     }
     Ok(())
+}
+
+/// What an exactly-once stage needs of its configuration: an in-flight cap whose
+/// completed-offset map always fits the commit metadata, and a transaction timeout that
+/// outlasts the longest a transaction stays open. Nothing for an at-least-once stage.
+pub fn check_stage(config: &StageConfig) -> Result<(), ConfigError> {
+    if config.delivery != Delivery::ExactlyOnce {
+        return Ok(());
+    }
+    check_in_flight_cap(config.max_in_flight_per_partition)
+        .map_err(|e| ConfigError::new("maxInFlightPerPartition", e.to_string()))?;
+    let ms = Duration::from_millis;
+    TransactionTimeouts {
+        commit_interval: ms(config.settings.commit_interval_ms()),
+        message_timeout: ms(EXACTLY_ONCE_MESSAGE_TIMEOUT_MS),
+        revocation_drain: ms(config.rebalance.drain_timeout_ms.saturating_mul(2)),
+        commit_allowance: ms(REVOCATION_COMMIT_ALLOWANCE_MS),
+        transaction: ms(EXACTLY_ONCE_TRANSACTION_TIMEOUT_MS),
+        broker_max: None,
+    }
+    .check()
+    .map_err(|e| ConfigError::new("delivery", e.to_string()))
 }
 
 /// What bounds how long a partition's transaction stays open.
@@ -281,6 +307,34 @@ mod tests {
             ..too_long
         };
         assert_eq!(unknown.check(), Ok(()));
+    }
+
+    #[test]
+    fn a_stage_is_exactly_once_only_when_asked_and_when_it_fits() {
+        const MINIMAL: &str =
+            "brokers: b:9092\nstage: s\ninput: in\ndlq: dead\nhandler:\n  builtin: {}\n";
+        let stage = |extra: &str| StageConfig::from_yaml(&format!("{MINIMAL}{extra}")).unwrap();
+        assert_eq!(stage("").delivery, Delivery::AtLeastOnce);
+        assert_eq!(check_stage(&stage("delivery: exactlyOnce\n")), Ok(()));
+        assert_eq!(
+            StageConfig::from_yaml(&format!("{MINIMAL}delivery: exactly\n"))
+                .unwrap_err()
+                .key,
+            "delivery"
+        );
+        let wide = MAX_MAP_SPAN + 1;
+        let too_wide = stage(&format!(
+            "delivery: exactlyOnce\nmaxInFlightPerPartition: {wide}\n"
+        ));
+        assert_eq!(
+            check_stage(&too_wide).unwrap_err().key,
+            "maxInFlightPerPartition"
+        );
+        // Allowed in atLeastOnce: its map falls back to the plain watermark.
+        let at_least_once = stage(&format!("maxInFlightPerPartition: {wide}\n"));
+        assert_eq!(check_stage(&at_least_once), Ok(()));
+        let long_drain = stage("delivery: exactlyOnce\nrebalance: {drainTimeoutMs: 60000}\n");
+        assert_eq!(check_stage(&long_drain).unwrap_err().key, "delivery");
     }
 
     proptest! {
