@@ -231,3 +231,59 @@ async fn an_exactly_once_stage_killed_and_stopped_mid_flow_outputs_every_record_
     assert!(report.dlq_records > 0, "{report}");
     topics.delete().await;
 }
+
+/// A worker in `exactlyOnce` is frozen (SIGSTOP) past its session timeout with records in
+/// flight; a second one takes its partitions over (its producers' init aborts what the frozen
+/// one left open) and goes on; the frozen one is resumed with its queued requests. Nothing it
+/// writes after the takeover is visible: the read_committed output has every record once, in
+/// order per session, and no session ends on an older record than the new owner wrote.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_exactly_once_worker_resumed_after_the_takeover_writes_nothing_visible() {
+    let topics = Topics::create("eos-zombie", 4).await;
+    let total = 10_000;
+    crate::produce_round_robin(&topics, 100, 100).await;
+    let yaml = topics.stage_yaml("{latencyMs: 20, seed: 7}", "delivery: exactlyOnce");
+
+    let mut frozen = WorkerProcess::spawn(&yaml);
+    wait_until(Duration::from_secs(120), || topics.output_count() >= 1_500)
+        .await
+        .expect("the first worker made progress");
+    frozen.pause();
+    let at_freeze = topics.output_count();
+
+    let mut next = WorkerProcess::spawn(&yaml);
+    // The group gives the frozen member's partitions away after its session timeout (6 s).
+    wait_until(Duration::from_secs(120), || {
+        topics.output_count() >= at_freeze + 2_000
+    })
+    .await
+    .expect("the next owner made progress");
+    frozen.resume();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let frozen_alive = frozen.running();
+    let next_alive = next.running();
+    // Whoever is left finishes (a worker a fence stopped exits non-zero; one more replaces it).
+    let spare = (!frozen_alive && !next_alive).then(|| WorkerProcess::spawn(&yaml));
+    topics.wait_fully_committed(Duration::from_secs(180)).await;
+    for w in [Some(frozen), Some(next), spare].into_iter().flatten() {
+        let mut w = w;
+        if w.running() {
+            w.terminate();
+        }
+    }
+
+    let report = verify_pipeline(&topics);
+    eprintln!(
+        "exactlyOnce, frozen at {at_freeze} output offsets, resumed (alive after: frozen \
+         {frozen_alive}, next {next_alive}):\n{report}"
+    );
+    assert!(report.is_ok(), "{report}");
+    assert_eq!(report.stale_ends, 0, "{report}");
+    assert_eq!(report.duplicates, 0, "{report}");
+    assert_eq!(
+        report.records + report.dlq_records,
+        total as u64,
+        "{report}"
+    );
+    topics.delete().await;
+}
