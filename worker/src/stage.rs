@@ -131,6 +131,9 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         metrics: metrics.clone(),
         fatal: tokens.fatal.clone(),
     };
+    metrics
+        .eos_enabled
+        .set(i64::from(config.delivery == Delivery::ExactlyOnce));
     let transactions = (config.delivery == Delivery::ExactlyOnce).then(|| {
         let mut c = producer_config(&config.brokers, &extra);
         c.set(

@@ -46,6 +46,17 @@ impl IntakeContext {
             }
             let started = Instant::now();
             let result = transactions.commit(p, &offsets, &group);
+            self.metrics
+                .transaction_commit_seconds
+                .observe(started.elapsed().as_secs_f64());
+            self.metrics
+                .transactions
+                .with_label_values(&[if result.is_ok() {
+                    "committed"
+                } else {
+                    "failed"
+                }])
+                .inc();
             failed += book.commit_answered(&result, &offsets, &self.metrics);
             match result {
                 Ok(()) => tracing::debug!(
