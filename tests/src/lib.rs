@@ -114,6 +114,7 @@ impl Topics {
             shutdown_drain_queued: false,
             metrics_addr: None,
             kafka,
+            delivery: Default::default(),
         }
     }
 

@@ -61,7 +61,11 @@ pub fn read_topic(
             format!("sessionflow-verify-{}", std::process::id()),
         )
         .set("enable.auto.commit", "false")
-        .set("enable.partition.eof", "false")
+        // Committed records only (an exactly-once stage's aborted writes are not output); the
+        // end of a partition is then told by its end-of-partition event, since its last
+        // offsets may be transaction markers, never delivered.
+        .set("isolation.level", "read_committed")
+        .set("enable.partition.eof", "true")
         .set("fetch.wait.max.ms", "100")
         .create()?;
     let md = consumer.fetch_metadata(Some(topic), Duration::from_secs(10))?;
@@ -94,7 +98,13 @@ pub fn read_topic(
         let Some(polled) = consumer.poll(Duration::from_millis(200)) else {
             continue;
         };
-        let m = polled?;
+        let m = match polled {
+            Err(rdkafka::error::KafkaError::PartitionEOF(p)) => {
+                remaining.remove(&p);
+                continue;
+            }
+            polled => polled?,
+        };
         let Some(high) = remaining.get(&m.partition()).copied() else {
             continue;
         };

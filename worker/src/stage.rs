@@ -17,7 +17,9 @@ use tokio_util::task::TaskTracker;
 
 use crate::commit::completion;
 use crate::commit::lag::{Assigned, LagReporter};
-use crate::config::StageConfig;
+use crate::config::{
+    Delivery, StageConfig, EXACTLY_ONCE_MESSAGE_TIMEOUT_MS, EXACTLY_ONCE_TRANSACTION_TIMEOUT_MS,
+};
 use crate::dispatch::dispatcher::Dispatcher;
 use crate::handler::Handler;
 use crate::intake::prefetch::{self, Prefetch};
@@ -25,6 +27,7 @@ use crate::intake::{consumer_config, IntakeLoop, IntakeSettings, IntakeTokens};
 use crate::ops::health::{self, Health};
 use crate::ops::metrics::Metrics;
 use crate::output::producer::{producer_config, ProducerEvents, StageProducer};
+use crate::output::transactions::Transactions;
 use crate::session::task::SessionContext;
 
 /// How long, after the consumer loop ends, session tasks and acknowledgements get to finish.
@@ -91,6 +94,7 @@ pub async fn run<H: Handler>(
 /// Starts a stage in the background.
 pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Result<RunningWorker> {
     config.validate()?;
+    crate::commit::exactly_once::check_stage(&config)?;
     if let crate::record::SessionSource::Header { name } = &config.settings.session() {
         // Order is kept per partition's owner: a session whose records carry the header but
         // whose keys differ lands on several partitions, so on several workers at once.
@@ -122,18 +126,40 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
     let (completions_tx, completions_rx) = completion::channel();
+    let events = ProducerEvents {
+        health: health.clone(),
+        metrics: metrics.clone(),
+        fatal: tokens.fatal.clone(),
+    };
+    metrics
+        .eos_enabled
+        .set(i64::from(config.delivery == Delivery::ExactlyOnce));
+    let transactions = (config.delivery == Delivery::ExactlyOnce).then(|| {
+        let mut c = producer_config(&config.brokers, &extra);
+        c.set(
+            "message.timeout.ms",
+            EXACTLY_ONCE_MESSAGE_TIMEOUT_MS.to_string(),
+        )
+        .set(
+            "transaction.timeout.ms",
+            EXACTLY_ONCE_TRANSACTION_TIMEOUT_MS.to_string(),
+        );
+        Arc::new(Transactions::new(
+            c,
+            &config.group_id(),
+            &config.input,
+            events.clone(),
+        ))
+    });
     let producer = StageProducer::new(
         &producer_config(&config.brokers, &extra),
-        ProducerEvents {
-            health: health.clone(),
-            metrics: metrics.clone(),
-            fatal: tokens.fatal.clone(),
-        },
+        events,
         config.output.clone(),
         config.dlq.clone(),
         config.stage.clone(),
         completions_tx,
         metrics.clone(),
+        transactions,
     )?;
 
     let sessions = TaskTracker::new();

@@ -101,6 +101,7 @@ pub fn stage_config(settings: &SystemSettings) -> StageConfig {
         metrics_addr: None,
         otlp_endpoint: None,
         kafka,
+        delivery: Default::default(),
     }
 }
 

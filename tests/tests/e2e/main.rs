@@ -5,6 +5,7 @@
 mod backpressure;
 mod commit_outage;
 mod dead_letters;
+mod exactly_once;
 mod fatal;
 mod faults;
 mod handover;

@@ -93,6 +93,23 @@ pub struct StageConfig {
     /// Extra librdkafka properties for the consumer and the producers, passed through.
     #[serde(default)]
     pub kafka: BTreeMap<String, String>,
+    /// `atLeastOnce` (the default) or `exactlyOnce`: outputs, dead letters and the input
+    /// offsets in one Kafka transaction per input partition (docs/exactly-once.md).
+    #[serde(default)]
+    pub delivery: Delivery,
+}
+
+/// How a stage's results reach Kafka.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub enum Delivery {
+    /// Each result written once acknowledged; a crash or a handover replays what was in flight.
+    #[default]
+    AtLeastOnce,
+    /// Outputs, dead letters and offsets committed together in a transaction per input
+    /// partition; a zombie owner is fenced by the broker. Needs Apache Kafka ≥ 2.5.
+    ExactlyOnce,
 }
 
 /// The settings a stage and a pipeline's defaults both have, written once: flattened into the
@@ -385,6 +402,11 @@ pub const DEFAULT_CONSUMER_SESSION_TIMEOUT_MS: u64 = 45_000;
 pub const DEFAULT_MAX_POLL_INTERVAL_MS: u64 = 300_000;
 /// librdkafka's default `session.timeout.ms`.
 pub const DEFAULT_SESSION_TIMEOUT_MS: u64 = 45_000;
+/// The producers' `message.timeout.ms` in `exactlyOnce`: the longest a commit's write barrier
+/// waits for a write (at-least-once waits 300 s; a transaction must outlast it).
+pub const EXACTLY_ONCE_MESSAGE_TIMEOUT_MS: u64 = 30_000;
+/// The producers' `transaction.timeout.ms` in `exactlyOnce` (the broker allows 15 min by default).
+pub const EXACTLY_ONCE_TRANSACTION_TIMEOUT_MS: u64 = 120_000;
 /// What a revocation allows for its synchronous commit, on top of its two drain deadlines.
 pub const REVOCATION_COMMIT_ALLOWANCE_MS: u64 = 5_000;
 /// At shutdown, how much longer than `rebalance.drainTimeoutMs` the worker waits for results
@@ -455,7 +477,7 @@ pub struct ConfigError {
 }
 
 impl ConfigError {
-    fn new(key: impl Into<String>, message: impl Into<String>) -> Self {
+    pub fn new(key: impl Into<String>, message: impl Into<String>) -> Self {
         Self {
             key: key.into(),
             message: message.into(),

@@ -115,6 +115,8 @@ pub(super) struct Book {
     pub(super) next_epoch: u64,
     pub(super) completions: CompletionReceiver,
     pub(super) leaving: Leaving,
+    /// `exactlyOnce`: a commit never goes without its completed-offset map.
+    pub(super) exactly_once: bool,
 }
 
 impl Book {
@@ -132,6 +134,7 @@ impl Book {
             next_epoch: 0,
             completions,
             leaving: Leaving::No,
+            exactly_once: false,
         }
     }
 
@@ -311,8 +314,23 @@ impl Book {
                 o.in_flight_offsets(),
             );
             let epoch = o.epoch_below(w);
-            o.mark_sent(w);
             let overflow = matches!(map, Err(offset_map::MapError::TooLarge(_)));
+            if overflow && self.exactly_once {
+                // The map must go with the transaction's outputs: no plain-watermark fallback.
+                // Not committed now; intake held until the map fits (docs/exactly-once.md).
+                if let Some(state) = self.partitions.get_mut(&p) {
+                    if !state.map_overflow {
+                        tracing::warn!(
+                            partition = p,
+                            "completed-offset map too large for commit metadata; the \
+                            partition's transaction stays open and intake is held until it fits"
+                        );
+                    }
+                    state.map_overflow = true;
+                }
+                continue;
+            }
+            o.mark_sent(w);
             if let Some(state) = self.partitions.get_mut(&p) {
                 if overflow && !state.map_overflow {
                     tracing::warn!(

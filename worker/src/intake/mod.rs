@@ -28,7 +28,8 @@
 //!
 //! Where the rest lives: the book of partitions in `book`, the rebalance callbacks in
 //! `rebalance`, the stop (drain, final commit, leaving the group) in `shutdown`, the fence's
-//! own timer in `fence_timer`, the settings in `settings`.
+//! own timer in `fence_timer`, the settings in `settings`, the `exactlyOnce` commits in
+//! `transactional`.
 
 mod book;
 mod fence_timer;
@@ -39,6 +40,7 @@ pub mod prefetch;
 mod rebalance;
 mod settings;
 mod shutdown;
+mod transactional;
 
 pub use settings::{consumer_config, IntakeSettings};
 
@@ -169,6 +171,7 @@ impl IntakeLoop {
             fence: fence.clone(),
             producer: producer.clone(),
         };
+        context.book().exactly_once = producer.transactions().is_some();
         let consumer: Arc<BaseConsumer<IntakeContext>> =
             Arc::new(config.create_with_context(context)?);
         let router = SessionRouter::new(dispatchers.len());
@@ -582,6 +585,12 @@ impl IntakeLoop {
             return;
         }
         let ctx = self.ctx();
+        if let Some(transactions) = self.producer.transactions() {
+            drop(committer);
+            let mut book = ctx.book();
+            ctx.commit_transactions(&self.consumer, &mut book, transactions, None, false);
+            return;
+        }
         let tpl = ctx.book().commit_list(None, false);
         if tpl.count() > 0 && committer.send(tpl).is_err() {
             tracing::error!("the commit thread is gone; commits stop");

@@ -74,6 +74,14 @@ impl IntakeContext {
     }
 
     fn on_assign(&self, consumer: &BaseConsumer<IntakeContext>, tpl: &TopicPartitionList) {
+        let new: Vec<Partition> = tpl
+            .elements_for_topic(&self.settings.input)
+            .iter()
+            .map(|e| e.partition())
+            .collect();
+        if !self.open_transactions(&new) {
+            return;
+        }
         let committed = match consumer.committed_offsets(tpl.clone(), Duration::from_secs(10)) {
             Ok(c) => {
                 self.validate_starts(consumer, &c);
@@ -228,10 +236,20 @@ impl IntakeContext {
             // The revocation of the stop itself (or one during it): every session has ended
             // and the write fence has run, so what is done is done. A final commit refused
             // while a rebalance was under way is accepted here, inside the rebalance.
-            let tpl = book.commit_list(Some(&partitions), true);
-            if tpl.count() > 0 {
-                let result = consumer.commit(&tpl, CommitMode::Sync);
-                book.commit_answered(&result, &tpl, &self.metrics);
+            if let Some(transactions) = self.producer.transactions() {
+                self.commit_transactions(
+                    consumer,
+                    &mut book,
+                    transactions,
+                    Some(&partitions),
+                    true,
+                );
+            } else {
+                let tpl = book.commit_list(Some(&partitions), true);
+                if tpl.count() > 0 {
+                    let result = consumer.commit(&tpl, CommitMode::Sync);
+                    book.commit_answered(&result, &tpl, &self.metrics);
+                }
             }
             // Counted from the book, not from the answer: a partition with progress that is
             // not confirmed as it is counts however it got so.
@@ -256,18 +274,27 @@ impl IntakeContext {
                      purged from the producer (any already on the wire may still land)"
                 );
             }
-            let tpl = book.commit_list(Some(&partitions), true);
-            if tpl.count() > 0 {
-                let result = consumer.commit(&tpl, CommitMode::Sync);
-                if book.commit_answered(&result, &tpl, &self.metrics) > 0 {
-                    self.metrics.final_commit_failures.inc();
-                    tracing::warn!(
-                        "final commit of revoked partitions failed; their progress \
-                        since the last commit will be replayed by the next owner"
-                    );
+            let failed = if let Some(transactions) = self.producer.transactions() {
+                self.commit_transactions(consumer, &mut book, transactions, Some(&partitions), true)
+            } else {
+                let tpl = book.commit_list(Some(&partitions), true);
+                if tpl.count() > 0 {
+                    let result = consumer.commit(&tpl, CommitMode::Sync);
+                    book.commit_answered(&result, &tpl, &self.metrics)
+                } else {
+                    0
                 }
+            };
+            if failed > 0 {
+                self.metrics.final_commit_failures.inc();
+                tracing::warn!(
+                    "final commit of revoked partitions failed; their progress \
+                    since the last commit will be replayed by the next owner"
+                );
             }
         }
+        // exactlyOnce: committed above, or lost: what is open is aborted.
+        self.close_transactions(&partitions);
         for p in &partitions {
             let unfinished = book.unreleased(&[*p]);
             tracing::info!(partition = p, unfinished, "partition revoked");
@@ -322,6 +349,7 @@ impl IntakeContext {
         book.forget(&dropped);
         // As for a lost assignment: nothing of theirs may land after a new owner's writes.
         self.take_back(&leases);
+        self.close_transactions(&dropped);
         self.metrics.in_flight.set(book.tracker.in_flight() as i64);
     }
 }

@@ -24,6 +24,10 @@ impl IntakeLoop {
     /// many partitions failed.
     fn commit_now(&self) -> usize {
         let ctx = self.ctx();
+        if let Some(transactions) = self.producer.transactions() {
+            let mut book = ctx.book();
+            return ctx.commit_transactions(&self.consumer, &mut book, transactions, None, true);
+        }
         let tpl = ctx.book().commit_list(None, true);
         if tpl.count() == 0 {
             return 0;
@@ -71,7 +75,13 @@ impl IntakeLoop {
         let failed = self.final_commit(deadline + ctx.settings.shutdown_fence_timeout);
         let metrics = ctx.metrics.clone();
         let fatal = self.tokens.fatal.clone();
-        let failed = match self.close() {
+        let transactions = self.producer.transactions().cloned();
+        let closed = self.close();
+        // exactlyOnce: what is still open (nothing committed after the last commit) is aborted.
+        if let Some(transactions) = transactions {
+            transactions.abort_all();
+        }
+        let failed = match closed {
             // The close's revocation committed what the final commit could not.
             Some(0) if failed > 0 => {
                 tracing::info!(

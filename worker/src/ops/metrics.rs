@@ -52,6 +52,12 @@ pub struct Metrics {
     pub write_gate_closed: IntGauge,
     pub final_commit_failures: IntCounter,
     pub fatal_errors: IntCounter,
+    /// `exactlyOnce`: partition transactions by result (`committed`, `failed`).
+    pub transactions: IntCounterVec,
+    /// `exactlyOnce`: barrier + offsets + commit of one partition's transaction.
+    pub transaction_commit_seconds: Histogram,
+    /// 1 when the stage runs `delivery: exactlyOnce`.
+    pub eos_enabled: IntGauge,
 }
 
 /// The series of `handler_duration_seconds`, one per outcome of an attempt.
@@ -170,6 +176,29 @@ impl Metrics {
             "fatal_errors_total",
             "Fatal Kafka client errors (e.g. the idempotent producer's); the worker stops.",
         );
+        let transactions = IntCounterVec::new(
+            Opts::new(
+                "transactions_total",
+                "exactlyOnce: partition transactions ended, by result (committed, failed).",
+            ),
+            &["result"],
+        )
+        .expect("valid metric");
+        registry.add(transactions.clone());
+        let transaction_commit_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "transaction_commit_seconds",
+                "exactlyOnce: duration of one partition's transactional commit (offsets + end).",
+            )
+            .buckets(prometheus::exponential_buckets(0.001, 2.0, 16).expect("valid buckets")),
+        )
+        .expect("valid metric");
+        registry.add(transaction_commit_seconds.clone());
+        let eos_enabled = gauge(
+            "eos_enabled",
+            "1 when the stage runs delivery: exactlyOnce (outputs, dead letters and offsets in \
+             transactions), 0 for atLeastOnce.",
+        );
         let in_flight = gauge("in_flight", "Records taken in and not finished.");
         let active_sessions = gauge("active_sessions", "Session tasks alive.");
         let sessions = gauge(
@@ -284,6 +313,9 @@ impl Metrics {
             write_gate_closed,
             final_commit_failures,
             fatal_errors,
+            transactions,
+            transaction_commit_seconds,
+            eos_enabled,
         }
     }
 

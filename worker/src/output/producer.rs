@@ -24,12 +24,14 @@ use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer, 
 use tokio_util::sync::CancellationToken;
 
 use crate::commit::completion::{Completion, CompletionSender};
+use crate::commit::offsets::Partition;
 use crate::group::membership::WriteGate;
 use crate::kafka::client_settings::ClientSettings;
 use crate::ops::health::Health;
 use crate::ops::metrics::Metrics;
 use crate::ops::telemetry;
 use crate::output::dlq::dlq_headers;
+use crate::output::transactions::{Share, Transactions};
 use crate::record::DlqReason;
 use crate::record::{header, InputRecord, WritePermit};
 
@@ -52,6 +54,8 @@ struct Inner {
     events: ProducerEvents,
     /// Closed while the group coordinator may have given up on this worker (`membership`).
     gate: Arc<WriteGate>,
+    /// `exactlyOnce`: the per-partition transactional producers every write goes through.
+    transactions: Option<Arc<Transactions<ProducerEvents>>>,
 }
 
 /// What a fatal producer error sets off: the worker goes not-ready and stops.
@@ -140,6 +144,7 @@ pub fn producer_config(brokers: &str, extra: &[(String, String)]) -> ClientConfi
 }
 
 impl StageProducer {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         config: &ClientConfig,
         events: ProducerEvents,
@@ -148,6 +153,7 @@ impl StageProducer {
         stage: String,
         completions: CompletionSender,
         metrics: Metrics,
+        transactions: Option<Arc<Transactions<ProducerEvents>>>,
     ) -> anyhow::Result<Self> {
         let producer: FutureProducer<ProducerEvents> =
             config.create_with_context(events.clone())?;
@@ -161,6 +167,7 @@ impl StageProducer {
                 metrics,
                 events,
                 gate: Arc::default(),
+                transactions,
             }),
         })
     }
@@ -190,6 +197,20 @@ impl StageProducer {
         &self.inner.gate
     }
 
+    /// `exactlyOnce`: the transactional producers.
+    pub fn transactions(&self) -> Option<&Arc<Transactions<ProducerEvents>>> {
+        self.inner.transactions.as_ref()
+    }
+
+    /// `exactlyOnce`: a write's share of the commit barrier, held from before the write until
+    /// its record's completion is sent (see `transactions`). `None` in `atLeastOnce`.
+    pub async fn share(&self) -> Option<Share> {
+        match &self.inner.transactions {
+            Some(t) => Some(t.share().await),
+            None => None,
+        }
+    }
+
     /// Whether this stage writes outputs at all (a terminal stage does not).
     pub fn has_output(&self) -> bool {
         self.inner.output.is_some()
@@ -215,7 +236,7 @@ impl StageProducer {
         let headers = record.headers_with(&[header::EVENT_ID, header::TRACEPARENT], &extra);
         let key = record.session().unwrap_or_default();
         let ack = self
-            .enqueue(topic, Some(key), Some(payload), headers)
+            .enqueue(record.partition, topic, Some(key), Some(payload), headers)
             .await
             .map_err(WriteError::Refused);
         let ack = self.check_fatal(ack)?;
@@ -235,7 +256,13 @@ impl StageProducer {
     ) -> Result<(), WriteError> {
         let headers = dlq_headers(record, &self.inner.stage, reason, error, attempts);
         let ack = self
-            .enqueue(&self.inner.dlq, record.key(), record.value(), headers)
+            .enqueue(
+                record.partition,
+                &self.inner.dlq,
+                record.key(),
+                record.value(),
+                headers,
+            )
             .await
             .map_err(WriteError::Refused);
         let ack = self.check_fatal(ack)?;
@@ -250,8 +277,11 @@ impl StageProducer {
 
     /// Enqueues one record, waiting while librdkafka's local queue is full. Other local
     /// refusals are returned: they do not go away by waiting.
+    /// In `exactlyOnce`, through the transactional producer of the record's input `partition`
+    /// (none open: the partition has left, the write is taken back).
     async fn enqueue(
         &self,
+        partition: Partition,
         topic: &str,
         key: Option<&[u8]>,
         payload: Option<&[u8]>,
@@ -264,8 +294,18 @@ impl StageProducer {
         if let Some(p) = payload {
             record = record.payload(p);
         }
+        let transactional = match &self.inner.transactions {
+            Some(t) => match t.producer(partition) {
+                Some(p) => Some(p),
+                None => {
+                    return Err(KafkaError::MessageProduction(RDKafkaErrorCode::PurgeQueue));
+                }
+            },
+            None => None,
+        };
+        let producer = transactional.as_ref().unwrap_or(&self.inner.producer);
         loop {
-            match self.inner.producer.send_result(record) {
+            match producer.send_result(record) {
                 Ok(ack) => {
                     // A write that passed the membership fence as it closed may have been
                     // queued after the fence's purge: take it back too (nothing else may be
@@ -301,10 +341,19 @@ impl StageProducer {
     /// already on the wire may still be stored by the broker. For a stop, when nothing of
     /// this worker may land once it has left the group, and when the membership fence
     /// closes.
+    ///
+    /// In `exactlyOnce` a purged write leaves its transaction unable to commit: when one was
+    /// given up, the worker stops (fatal; no transaction is committed any more, the open ones are aborted at the
+    /// stop, and the restart replays from the last committed transaction).
     pub fn purge(&self) {
         self.inner
             .producer
             .purge(PurgeConfig::default().queue().inflight());
+        if self.inner.transactions.as_ref().is_some_and(|t| t.purge()) {
+            self.inner.events.raise_fatal(
+                &"exactlyOnce: writes had to be given up, their transactions cannot commit",
+            );
+        }
     }
 
     /// Flushes what is still queued in the client.
@@ -348,6 +397,7 @@ pub(crate) fn terminal_stage(
         "test".into(),
         completions,
         metrics.clone(),
+        None,
     )
     .expect("a producer needs no broker to be made");
     (producer, done)

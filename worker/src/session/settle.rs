@@ -114,6 +114,9 @@ impl Settler<'_> {
                 self.producer.complete(record);
                 return Settled::Done;
             }
+            // exactlyOnce: held from before the write until the record's completion is sent,
+            // so a commit's offsets count every write of its transaction (`transactions`).
+            let share = self.producer.share().await;
             let Some(permit) = record.lease.begin_write().filter(|_| passed) else {
                 self.producer.release(record);
                 return Settled::Released;
@@ -187,6 +190,8 @@ impl Settler<'_> {
                         offset = record.offset, session = %record.session_str(),
                         event_id = %record.event_id(),
                         "dead letter refused; retrying (the record stays uncommitted)");
+                    // Not across the wait: a commit must not wait for a refused dead letter.
+                    drop(share);
                     let delay = DLQ_RETRY.delay(refusals, rand::rng().random::<f64>());
                     let sleep = tokio::time::sleep(delay);
                     tokio::pin!(sleep);
