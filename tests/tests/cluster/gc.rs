@@ -1,7 +1,7 @@
 //! Deleting a pipeline deletes what it owns: the operator sets ownerReferences and the real
 //! garbage collector (kube-controller-manager) follows them.
 
-use k8s_openapi::api::apps::v1::ReplicaSet;
+use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kube::api::{Api, DeleteParams, ListParams};
 use sessionflow_operator::render::PIPELINE_LABEL;
@@ -21,11 +21,14 @@ where
         .await
         .map_err(|e| e.to_string())?
         .items
-        .len())
+        .iter()
+        .filter(|o| o.meta().deletion_timestamp.is_none())
+        .count())
 }
 
 /// With the operator stopped (so nothing but the garbage collector can delete), deleting the
-/// pipeline deletes its Deployments, their ReplicaSets and Pods, and its ConfigMaps.
+/// pipeline deletes its Deployments, their ReplicaSets and Pods, and its ConfigMaps. (An
+/// object being deleted counts as gone: Pods then wait out their grace period, with kwok too.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deleting_a_pipeline_deletes_its_objects_through_the_garbage_collector() {
     Env::run("gc", |env| async move {
@@ -51,7 +54,7 @@ async fn deleting_a_pipeline_deletes_its_objects_through_the_garbage_collector()
             .expect("pipeline deleted");
         eventually("the pipeline's Deployments, ReplicaSets, Pods and ConfigMaps gone", || async {
             let left = (
-                env.pipeline_deployments("doomed").await.len(),
+                count::<Deployment>(env, "doomed").await?,
                 count::<ReplicaSet>(env, "doomed").await?,
                 count::<Pod>(env, "doomed").await?,
                 count::<ConfigMap>(env, "doomed").await?,
