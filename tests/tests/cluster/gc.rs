@@ -35,7 +35,11 @@ async fn deleting_a_pipeline_deletes_its_objects_through_the_garbage_collector()
         let mut operator = env.operator(None);
         env.create_pipeline(&env.pipeline("doomed", 1, 1)).await;
         eventually("Ready=True on the pipeline", || async {
-            let sp = env.pipelines().get("doomed").await.map_err(|e| e.to_string())?;
+            let sp = env
+                .pipelines()
+                .get("doomed")
+                .await
+                .map_err(|e| e.to_string())?;
             match condition(&sp, "Ready") {
                 Some((s, _, _)) if s == "True" => Ok(()),
                 other => Err(format!("Ready={other:?}")),
@@ -52,17 +56,20 @@ async fn deleting_a_pipeline_deletes_its_objects_through_the_garbage_collector()
             .delete("doomed", &DeleteParams::background())
             .await
             .expect("pipeline deleted");
-        eventually("the pipeline's Deployments, ReplicaSets, Pods and ConfigMaps gone", || async {
-            let left = (
-                count::<Deployment>(env, "doomed").await?,
-                count::<ReplicaSet>(env, "doomed").await?,
-                count::<Pod>(env, "doomed").await?,
-                count::<ConfigMap>(env, "doomed").await?,
-            );
-            (left == (0, 0, 0, 0)).then_some(()).ok_or(format!(
-                "left (deployments, replicasets, pods, configmaps): {left:?}"
-            ))
-        })
+        eventually(
+            "the pipeline's Deployments, ReplicaSets, Pods and ConfigMaps gone",
+            || async {
+                let left = (
+                    count::<Deployment>(env, "doomed").await?,
+                    count::<ReplicaSet>(env, "doomed").await?,
+                    count::<Pod>(env, "doomed").await?,
+                    count::<ConfigMap>(env, "doomed").await?,
+                );
+                (left == (0, 0, 0, 0)).then_some(()).ok_or(format!(
+                    "left (deployments, replicasets, pods, configmaps): {left:?}"
+                ))
+            },
+        )
         .await;
     })
     .await;

@@ -49,8 +49,15 @@ use sessionflow_tests::{unique, workspace_binary};
 
 const MANAGER: &str = "sessionflow-tests";
 /// How long anything the cluster or the operator does may take before a test gives up: far
-/// above what it takes (seconds), on a shared 2-core machine.
-pub const PATIENCE: Duration = Duration::from_secs(120);
+/// above what it takes (seconds), on a shared 2-core machine. `SESSIONFLOW_CLUSTER_PATIENCE_SECS`
+/// overrides it (e.g. shorter, to see a broken operator fail sooner).
+fn patience() -> Duration {
+    let secs = std::env::var("SESSIONFLOW_CLUSTER_PATIENCE_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(120);
+    Duration::from_secs(secs)
+}
 
 fn repo_path(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path)
@@ -122,7 +129,7 @@ async fn install_crd(client: &Client) {
     .await
     .expect("the API server accepts the CRD");
     tokio::time::timeout(
-        PATIENCE,
+        patience(),
         await_condition(crds, CRD_NAME, conditions::is_crd_established()),
     )
     .await
@@ -140,6 +147,8 @@ pub struct Env {
     operator_kubeconfig: PathBuf,
     /// Topics the test's pipelines name (the operator creates them); deleted at the end.
     topics: std::sync::Mutex<Vec<String>>,
+    /// The operator processes' logs.
+    logs: std::sync::Mutex<Vec<PathBuf>>,
 }
 
 impl Env {
@@ -164,6 +173,20 @@ impl Env {
         })
         .catch_unwind()
         .await;
+        let logs = std::mem::take(&mut *env.logs.lock().unwrap());
+        for log in &logs {
+            if outcome.is_err() {
+                let text = std::fs::read_to_string(log).unwrap_or_default();
+                let lines: Vec<&str> = text.lines().collect();
+                eprintln!("--- the last lines of {}:", log.display());
+                for line in &lines[lines.len().saturating_sub(40)..] {
+                    eprintln!("{line}");
+                }
+            }
+            if std::env::var_os("SESSIONFLOW_CLUSTER_KEEP_LOGS").is_none() {
+                let _ = std::fs::remove_file(log);
+            }
+        }
         env.cleanup().await;
         if let Err(panic) = outcome {
             std::panic::resume_unwind(panic);
@@ -189,6 +212,7 @@ impl Env {
             operator_kubeconfig: std::env::temp_dir().join(format!("{namespace}.kubeconfig")),
             namespace,
             topics: Default::default(),
+            logs: Default::default(),
         }
     }
 
@@ -318,20 +342,36 @@ impl Env {
         }
     }
 
-    /// Starts `sessionflow-operator run` for this namespace as the chart's ServiceAccount.
-    /// With `identity`, it competes for the Lease (as a replica named so).
+    /// Starts `sessionflow-operator run` for this namespace as the chart's ServiceAccount (the
+    /// binary built next to the tests, or the one `SESSIONFLOW_OPERATOR_BIN` names). With
+    /// `identity`, it competes for the Lease (as a replica named so).
     pub fn operator(&self, identity: Option<&str>) -> Operator {
-        let mut command = Command::new(workspace_binary("sessionflow-operator"));
+        let binary = std::env::var_os("SESSIONFLOW_OPERATOR_BIN")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| workspace_binary("sessionflow-operator"));
+        let mut command = Command::new(binary);
         command
             .args(["run", "--namespace", &self.namespace])
-            .args(["--metrics-addr", "127.0.0.1:0", "--scale-interval-secs", "1"])
+            .args([
+                "--metrics-addr",
+                "127.0.0.1:0",
+                "--scale-interval-secs",
+                "1",
+            ])
             .env("KUBECONFIG", &self.operator_kubeconfig)
             .env("RUST_LOG", "info,kube=warn")
             .env_remove("SESSIONFLOW_NAMESPACE")
             .env_remove("POD_NAME")
             .env_remove("POD_NAMESPACE")
-            .stdout(Stdio::null())
             .stderr(Stdio::inherit());
+        // Its log (tracing writes to stdout) goes to a file, printed when the test fails.
+        let log = std::env::temp_dir().join(format!(
+            "{}-{}.log",
+            self.namespace,
+            identity.unwrap_or("operator")
+        ));
+        command.stdout(std::fs::File::create(&log).expect("operator log file"));
+        self.logs.lock().unwrap().push(log);
         if let Some(identity) = identity {
             command
                 .args(["--leader-election", "--lease-namespace", &self.namespace])
@@ -436,7 +476,7 @@ impl Drop for Operator {
     }
 }
 
-/// Polls `probe` until it returns `Some`, for at most [`PATIENCE`]; panics with `what` and the
+/// Polls `probe` until it returns `Ok`, for at most [`patience`]; panics with `what` and the
 /// last thing seen otherwise.
 pub async fn eventually<T, D, F, Fut>(what: &str, mut probe: F) -> T
 where
@@ -447,11 +487,14 @@ where
     let started = Instant::now();
     loop {
         let last = match probe().await {
-            Ok(value) => return value,
+            Ok(value) => {
+                eprintln!("{what}: after {:.1?}", started.elapsed());
+                return value;
+            }
             Err(seen) => seen,
         };
-        if started.elapsed() > PATIENCE {
-            panic!("{what}: not within {PATIENCE:?}; last seen: {last:?}");
+        if started.elapsed() > patience() {
+            panic!("{what}: not within {:?}; last seen: {last:?}", patience());
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }

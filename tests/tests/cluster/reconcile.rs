@@ -40,12 +40,18 @@ async fn a_pipeline_runs_and_its_deployments_are_repaired() {
         let uid = sp.uid().unwrap();
         let name = stage_object_name("chat", "work");
 
-        // Ready=True, as the operator (with the chart's RBAC only) reports it.
-        eventually("Ready=True on the pipeline", || async {
-            let sp = env.pipelines().get("chat").await.map_err(|e| e.to_string())?;
-            match condition(&sp, "Ready") {
-                Some((s, _, _)) if s == "True" => Ok(()),
-                other => Err(format!("Ready={other:?}, Degraded={:?}", condition(&sp, "Degraded"))),
+        // Ready=True and Degraded=False, as the operator (with the chart's RBAC only) reports.
+        eventually("Ready=True, Degraded=False on the pipeline", || async {
+            let sp = env
+                .pipelines()
+                .get("chat")
+                .await
+                .map_err(|e| e.to_string())?;
+            let ready = condition(&sp, "Ready");
+            let degraded = condition(&sp, "Degraded");
+            match (&ready, &degraded) {
+                (Some((r, _, _)), Some((d, _, _))) if r == "True" && d == "False" => Ok(()),
+                _ => Err(format!("Ready={ready:?}, Degraded={degraded:?}")),
             }
         })
         .await;
@@ -68,14 +74,15 @@ async fn a_pipeline_runs_and_its_deployments_are_repaired() {
         // The real controllers: ReplicaSet of the Deployment, Pods of the ReplicaSet, Ready.
         let dep_uid = deployments[0].uid().unwrap();
         let pods_ready = eventually("2 Pods of the stage Ready", || async {
-            let rs: Vec<ReplicaSet> = Api::<ReplicaSet>::namespaced(env.client.clone(), &env.namespace)
-                .list(&ListParams::default().labels(&format!("{PIPELINE_LABEL}=chat")))
-                .await
-                .map_err(|e| e.to_string())?
-                .items
-                .into_iter()
-                .filter(|r| r.owner_references().iter().any(|o| o.uid == dep_uid))
-                .collect();
+            let rs: Vec<ReplicaSet> =
+                Api::<ReplicaSet>::namespaced(env.client.clone(), &env.namespace)
+                    .list(&ListParams::default().labels(&format!("{PIPELINE_LABEL}=chat")))
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .items
+                    .into_iter()
+                    .filter(|r| r.owner_references().iter().any(|o| o.uid == dep_uid))
+                    .collect();
             let rs_uids: Vec<String> = rs.iter().filter_map(|r| r.uid()).collect();
             let pods: Vec<Pod> = Api::<Pod>::namespaced(env.client.clone(), &env.namespace)
                 .list(&ListParams::default().labels(&format!("{PIPELINE_LABEL}=chat")))
@@ -83,25 +90,41 @@ async fn a_pipeline_runs_and_its_deployments_are_repaired() {
                 .map_err(|e| e.to_string())?
                 .items
                 .into_iter()
-                .filter(|p| p.owner_references().iter().any(|o| rs_uids.contains(&o.uid)))
+                .filter(|p| {
+                    p.owner_references()
+                        .iter()
+                        .any(|o| rs_uids.contains(&o.uid))
+                })
                 .collect();
             let ready = pods.iter().filter(|p| pod_ready(p)).count();
             if !rs.is_empty() && ready == 2 {
                 Ok(pods)
             } else {
-                Err(format!("{} ReplicaSets, {} pods, {ready} ready", rs.len(), pods.len()))
+                Err(format!(
+                    "{} ReplicaSets, {} pods, {ready} ready",
+                    rs.len(),
+                    pods.len()
+                ))
             }
         })
         .await;
-        assert!(pods_ready
-            .iter()
-            .all(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()).is_some_and(|n| n.starts_with("kwok-node-"))));
+        assert!(pods_ready.iter().all(|p| p
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.as_deref())
+            .is_some_and(|n| n.starts_with("kwok-node-"))));
 
         // Scaled by hand to 5: back to 2 (the bounds).
         env.hand_scale(&name, 5).await;
         eventually("the hand-scaled Deployment back at 2 replicas", || async {
-            let d = env.deployments().get(&name).await.map_err(|e| e.to_string())?;
-            (replicas(&d) == Some(2)).then_some(()).ok_or(format!("replicas {:?}", replicas(&d)))
+            let d = env
+                .deployments()
+                .get(&name)
+                .await
+                .map_err(|e| e.to_string())?;
+            (replicas(&d) == Some(2))
+                .then_some(())
+                .ok_or(format!("replicas {:?}", replicas(&d)))
         })
         .await;
 
@@ -111,19 +134,35 @@ async fn a_pipeline_runs_and_its_deployments_are_repaired() {
             .await
             .expect("deleted");
         let again = eventually("the deleted Deployment created again", || async {
-            match env.deployments().get_opt(&name).await.map_err(|e| e.to_string())? {
+            match env
+                .deployments()
+                .get_opt(&name)
+                .await
+                .map_err(|e| e.to_string())?
+            {
                 Some(d) if d.uid() != Some(dep_uid.clone()) => Ok(d),
                 Some(_) => Err("the old one (still being deleted)".to_string()),
                 None => Err("missing".to_string()),
             }
         })
         .await;
-        assert!(again.owner_references().iter().any(|o| o.uid == uid && o.controller == Some(true)));
+        assert!(again
+            .owner_references()
+            .iter()
+            .any(|o| o.uid == uid && o.controller == Some(true)));
         eventually("the recreated Deployment's 2 pods ready", || async {
-            let d = env.deployments().get(&name).await.map_err(|e| e.to_string())?;
+            let d = env
+                .deployments()
+                .get(&name)
+                .await
+                .map_err(|e| e.to_string())?;
             (ready_replicas(&d) == 2 && replicas(&d) == Some(2))
                 .then_some(())
-                .ok_or(format!("replicas {:?}, ready {}", replicas(&d), ready_replicas(&d)))
+                .ok_or(format!(
+                    "replicas {:?}, ready {}",
+                    replicas(&d),
+                    ready_replicas(&d)
+                ))
         })
         .await;
     })
@@ -158,7 +197,11 @@ async fn a_foreign_deployment_of_a_stage_name_is_a_conflict_and_left_alone() {
         env.create_pipeline(&env.pipeline("taken", 1, 1)).await;
 
         let (_, _, message) = eventually("Degraded=True NameConflict on the pipeline", || async {
-            let sp = env.pipelines().get("taken").await.map_err(|e| e.to_string())?;
+            let sp = env
+                .pipelines()
+                .get("taken")
+                .await
+                .map_err(|e| e.to_string())?;
             match condition(&sp, "Degraded") {
                 Some((s, r, m)) if s == "True" && r == "NameConflict" => Ok((s, r, m)),
                 other => Err(format!("Degraded={other:?}")),
@@ -167,14 +210,24 @@ async fn a_foreign_deployment_of_a_stage_name_is_a_conflict_and_left_alone() {
         .await;
         assert!(message.contains(&format!("Deployment {name}")), "{message}");
         let sp = env.pipelines().get("taken").await.unwrap();
-        assert_ne!(condition(&sp, "Ready").map(|c| c.0).as_deref(), Some("True"));
+        assert_ne!(
+            condition(&sp, "Ready").map(|c| c.0).as_deref(),
+            Some("True")
+        );
 
         // Give the operator a few more passes, then the object is as it was made.
         tokio::time::sleep(std::time::Duration::from_secs(5)).await;
         let now = env.deployments().get(&name).await.unwrap();
-        assert!(now.owner_references().is_empty(), "{:?}", now.owner_references());
+        assert!(
+            now.owner_references().is_empty(),
+            "{:?}",
+            now.owner_references()
+        );
         assert_eq!(now.labels(), foreign.labels());
-        assert_eq!(now.metadata.generation, foreign.metadata.generation, "spec untouched");
+        assert_eq!(
+            now.metadata.generation, foreign.metadata.generation,
+            "spec untouched"
+        );
         assert_eq!(now.spec, foreign.spec);
         let managers: Vec<String> = now
             .metadata
