@@ -19,10 +19,12 @@ demo:
 
 ## test: build, then unit/property tests and end-to-end tests against Apache Kafka (scripts/kafka.sh:
 ## one node on BROKER_PORT…+3, started unless one runs there; needs Java 17 and Maven) and (when
-## installed: scripts/apiserver.sh install) a real Kubernetes API server for the CRD tests
+## installed: scripts/apiserver.sh install) a real Kubernetes API server for the CRD tests, and
+## (when installed: scripts/cluster.sh install) a local control plane for the operator's
+## end-to-end tests (tests/tests/cluster)
 ## (cargo-nextest when installed: per-test processes and timeouts; cargo test otherwise)
 test: build
-	scripts/with-broker.sh scripts/with-apiserver.sh scripts/run-tests.sh
+	scripts/with-broker.sh scripts/with-apiserver.sh scripts/with-cluster.sh scripts/run-tests.sh
 
 build:
 	$(CARGO) build --workspace --all-targets
