@@ -90,6 +90,7 @@ fn load_config(path: &std::path::Path, brokers: Option<&str>) -> anyhow::Result<
     }
     config.add_credentials(|name| std::env::var(name).ok());
     config.validate()?;
+    sessionflow_worker::commit::exactly_once::check_stage(&config)?;
     Ok(config)
 }
 

@@ -28,7 +28,7 @@ use std::time::Duration;
 use crate::commit::offset_map::MAX_METADATA;
 use crate::commit::offsets::{Offset, Partition};
 use crate::config::{
-    ConfigError, Delivery, StageConfig, EXACTLY_ONCE_MESSAGE_TIMEOUT_MS,
+    ConfigError, Delivery, RebalanceStrategy, StageConfig, EXACTLY_ONCE_MESSAGE_TIMEOUT_MS,
     EXACTLY_ONCE_TRANSACTION_TIMEOUT_MS, REVOCATION_COMMIT_ALLOWANCE_MS,
 };
 
@@ -126,6 +126,15 @@ pub fn check_in_flight_cap(cap: usize) -> Result<(), EosConfigError> {
 pub fn check_stage(config: &StageConfig) -> Result<(), ConfigError> {
     if config.delivery != Delivery::ExactlyOnce {
         return Ok(());
+    }
+    if config.rebalance.strategy == RebalanceStrategy::Consumer {
+        // A transactional offset commit can be refused (ILLEGAL_GENERATION) while the broker
+        // changes an assignment, and an abort stops the worker for now (docs/exactly-once.md).
+        return Err(ConfigError::new(
+            "rebalance.strategy",
+            "exactlyOnce does not support the consumer group protocol (KIP-848) yet; \
+             use cooperative or eager",
+        ));
     }
     check_in_flight_cap(config.max_in_flight_per_partition)
         .map_err(|e| ConfigError::new("maxInFlightPerPartition", e.to_string()))?;
@@ -333,6 +342,10 @@ mod tests {
         // Allowed in atLeastOnce: its map falls back to the plain watermark.
         let at_least_once = stage(&format!("maxInFlightPerPartition: {wide}\n"));
         assert_eq!(check_stage(&at_least_once), Ok(()));
+        let kip_848 = stage("delivery: exactlyOnce\nrebalance: {strategy: consumer}\n");
+        assert_eq!(check_stage(&kip_848).unwrap_err().key, "rebalance.strategy");
+        let kip_848 = stage("rebalance: {strategy: consumer}\n");
+        assert_eq!(check_stage(&kip_848), Ok(()));
         let long_drain = stage("delivery: exactlyOnce\nrebalance: {drainTimeoutMs: 60000}\n");
         assert_eq!(check_stage(&long_drain).unwrap_err().key, "delivery");
     }
