@@ -506,21 +506,28 @@ pub struct WorkerTemplate {
     /// ServiceAccount of the pods. Its token is still not mounted unless a volume asks for it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub service_account_name: Option<String>,
+    /// Secrets to pull the images with (core/v1 LocalObjectReference).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub image_pull_secrets: Vec<LocalObjectReference>,
+    /// Node labels the pods must run on.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub node_selector: BTreeMap<String, String>,
+    /// Taints the pods tolerate (core/v1 Toleration).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tolerations: Vec<Toleration>,
+    /// Scheduling constraints of the pods (core/v1 Affinity).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub affinity: Option<Affinity>,
+    /// How the pods spread across topology domains (core/v1 TopologySpreadConstraint).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub topology_spread_constraints: Vec<TopologySpreadConstraint>,
+    /// PriorityClass of the pods.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority_class_name: Option<String>,
     /// Extra environment variables of the worker container.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub env: Vec<EnvVar>,
+    /// Extra environment of the worker container from ConfigMaps and Secrets (core/v1 EnvFromSource).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub env_from: Vec<EnvFromSource>,
     /// Extra pod volumes (the kinds Pod Security `restricted` allows: configMap, secret,
@@ -574,10 +581,100 @@ impl Default for DisruptionBudgetSpec {
     }
 }
 
+/// The fields whose schemas come from Kubernetes' own types (k8s-openapi): inside them the
+/// CRD carries no `description`s (they are Kubernetes' API reference, hundreds of KB of it,
+/// which would push the CRD past the 256 KiB last-applied annotation of a plain
+/// `kubectl apply`). The field's own description, sessionflow's, is kept.
+pub const KUBERNETES_TYPED_FIELDS: &[&str] = &[
+    "resources",
+    "imagePullSecrets",
+    "tolerations",
+    "affinity",
+    "topologySpreadConstraints",
+    "env",
+    "envFrom",
+    "volumes",
+    "volumeMounts",
+    "securityContext",
+    "sidecars",
+    "conditions",
+];
+
+/// The CustomResourceDefinition as installed: [`SessionPipeline::crd`] with the descriptions
+/// inside [`KUBERNETES_TYPED_FIELDS`] stripped.
+pub fn crd(
+) -> k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition {
+    let mut json = serde_json::to_value(SessionPipeline::crd()).expect("the CRD serializes");
+    for version in json["spec"]["versions"]
+        .as_array_mut()
+        .expect("the CRD has versions")
+    {
+        strip_kubernetes_descriptions(&mut version["schema"]["openAPIV3Schema"]);
+    }
+    serde_json::from_value(json).expect("the stripped CRD deserializes")
+}
+
+/// Walks sessionflow's own schema; below a [`KUBERNETES_TYPED_FIELDS`] property, removes
+/// every `description`.
+fn strip_kubernetes_descriptions(schema: &mut serde_json::Value) {
+    let serde_json::Value::Object(map) = schema else {
+        return;
+    };
+    for (key, value) in map.iter_mut() {
+        match key.as_str() {
+            "properties" => {
+                if let serde_json::Value::Object(props) = value {
+                    for (name, prop) in props.iter_mut() {
+                        if KUBERNETES_TYPED_FIELDS.contains(&name.as_str()) {
+                            let own = prop.get("description").cloned();
+                            remove_descriptions(prop);
+                            if let (Some(own), serde_json::Value::Object(p)) = (own, prop) {
+                                p.insert("description".into(), own);
+                            }
+                        } else {
+                            strip_kubernetes_descriptions(prop);
+                        }
+                    }
+                }
+            }
+            "items" | "additionalProperties" => strip_kubernetes_descriptions(value),
+            "allOf" | "anyOf" | "oneOf" => {
+                if let serde_json::Value::Array(items) = value {
+                    items.iter_mut().for_each(strip_kubernetes_descriptions);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+fn remove_descriptions(value: &mut serde_json::Value) {
+    match value {
+        serde_json::Value::Object(map) => {
+            map.remove("description");
+            // A property may itself be called `description`: only schema keywords go.
+            for (key, v) in map.iter_mut() {
+                if key == "properties" {
+                    if let serde_json::Value::Object(props) = v {
+                        props.values_mut().for_each(remove_descriptions);
+                    }
+                } else {
+                    remove_descriptions(v);
+                }
+            }
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(remove_descriptions),
+        _ => {}
+    }
+}
+
 /// The CRD as YAML, as `sessionflow-operator crd` prints it and `crds/` holds it.
 pub fn crd_yaml() -> String {
-    let crd = SessionPipeline::crd();
-    let mut yaml = serde_saphyr::to_string(&crd).expect("the CRD serializes");
+    let crd = crd();
+    // One space per level: the schema nests ~20 deep, and with two spaces most of the file
+    // would be indentation (242 KB instead of ~160 KB).
+    let options = serde_saphyr::ser_options! { indent_step: 1 };
+    let mut yaml = serde_saphyr::to_string_with_options(&crd, options).expect("the CRD serializes");
     if !yaml.ends_with('\n') {
         yaml.push('\n');
     }
@@ -626,6 +723,63 @@ mod tests {
             checked_in == crd_yaml(),
             "crds/sessionpipeline.yaml is stale: regenerate it with `make crd`"
         );
+    }
+
+    /// A plain (client-side) `kubectl apply` keeps the whole object in the
+    /// last-applied-configuration annotation, limited to 256 KiB: 200 KB leaves room.
+    #[test]
+    fn the_crd_stays_under_200_kb_and_keeps_sessionflows_descriptions() {
+        let yaml = crd_yaml();
+        let json = serde_json::to_string(&crd()).unwrap();
+        assert!(
+            yaml.len() <= 200_000,
+            "the CRD is {} bytes of YAML",
+            yaml.len()
+        );
+        assert!(
+            json.len() <= 200_000,
+            "the CRD is {} bytes of JSON",
+            json.len()
+        );
+        let crd = serde_json::to_value(crd()).unwrap();
+        let spec = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"];
+        let stage = &spec["properties"]["stages"]["items"];
+        let described =
+            |v: &serde_json::Value| v["description"].as_str().is_some_and(|d| !d.is_empty());
+        // sessionflow's own fields, also those whose type is Kubernetes'.
+        for field in [
+            &spec["properties"]["kafka"],
+            &spec["properties"]["topics"],
+            &stage["properties"]["handler"],
+            &stage["properties"]["replicas"],
+            &stage["properties"]["input"],
+        ] {
+            assert!(described(field), "no description: {field}");
+        }
+        let pod = &stage["properties"]["template"]["properties"];
+        assert!(
+            pod.is_object(),
+            "stage.template is where the pod template lives"
+        );
+        for name in KUBERNETES_TYPED_FIELDS {
+            let field = [
+                &stage["properties"][name],
+                &pod[name],
+                &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+                    ["properties"][name],
+            ]
+            .into_iter()
+            .find(|f| f.is_object())
+            .unwrap_or_else(|| panic!("{name} is not a field of a stage, its pod or the status"));
+            assert!(described(field), "{name} lost its own description");
+            let mut inner = field.clone();
+            inner.as_object_mut().unwrap().remove("description");
+            let text = inner.to_string();
+            assert!(
+                !text.contains("\"description\""),
+                "{name} still carries Kubernetes' descriptions"
+            );
+        }
     }
 
     #[test]
