@@ -19,6 +19,7 @@
 //!
 //! Every wait polls against a generous deadline; no test asserts how long anything took.
 
+mod crd;
 mod gc;
 mod leader;
 mod reconcile;
@@ -120,7 +121,8 @@ async fn install_crd(client: &Client) {
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     let text = std::fs::read_to_string(repo_path("crds/sessionpipeline.yaml")).unwrap();
     let crd: CustomResourceDefinition = serde_json::from_value(yaml(&text)).unwrap();
-    // ~700 KB: server-side apply (a client-side apply's annotation would not fit).
+    // Server-side apply: the tests own the CRD; `crd::a_plain_kubectl_apply_installs_the_crd`
+    // checks the client-side apply a user runs.
     crds.patch(
         CRD_NAME,
         &PatchParams::apply(MANAGER).force(),
