@@ -64,7 +64,7 @@ mod tests {
 
     fn desired() -> Deployment {
         deployment(json!({
-            "metadata": { "name": "chat-nlu", "labels": { "a": "1" } },
+            "metadata": { "name": "chat-nlu-bb263a2d", "labels": { "a": "1" } },
             "spec": { "selector": { "matchLabels": { "a": "1" } },
                       "template": { "spec": { "containers": [{ "name": "worker", "image": "w:1",
                                                                "env": [] }] } } },
@@ -74,7 +74,7 @@ mod tests {
     #[test]
     fn what_the_server_adds_is_not_drift_but_an_edit_of_an_owned_field_is() {
         let as_served = deployment(json!({
-            "metadata": { "name": "chat-nlu", "labels": { "a": "1" }, "resourceVersion": "7",
+            "metadata": { "name": "chat-nlu-bb263a2d", "labels": { "a": "1" }, "resourceVersion": "7",
                           "generation": 3, "managedFields": [] },
             "spec": { "replicas": 4, "progressDeadlineSeconds": 600,
                       "selector": { "matchLabels": { "a": "1" } },

@@ -135,7 +135,7 @@ mod tests {
 
     fn deployment(generation: i64, replicas: i32, status: Value) -> Deployment {
         serde_json::from_value(json!({
-            "metadata": { "name": "chat-nlu", "generation": generation },
+            "metadata": { "name": "chat-nlu-bb263a2d", "generation": generation },
             "spec": { "replicas": replicas, "selector": {}, "template": {} },
             "status": status,
         }))
@@ -207,7 +207,7 @@ mod tests {
         };
         assert_eq!(
             (reason.as_str(), subject.as_str()),
-            ("ProgressDeadlineExceeded", "Deployment chat-nlu")
+            ("ProgressDeadlineExceeded", "Deployment chat-nlu-bb263a2d")
         );
         assert!(message.contains("timed out"), "{message}");
     }

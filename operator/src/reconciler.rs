@@ -40,7 +40,7 @@ use crate::health::{self, StageHealth};
 use crate::kafka::{self, Connection, CredentialError};
 use crate::leader::Leadership;
 use crate::metrics::Metrics;
-use crate::render::{self, Defaults, SpecError, MANAGER, PIPELINE_LABEL, STAGE_LABEL};
+use crate::render::{self, Defaults, SpecError, StagePlan, MANAGER, PIPELINE_LABEL, STAGE_LABEL};
 
 /// Periodic re-check when nothing happens.
 const RESYNC: Duration = Duration::from_secs(300);
@@ -272,18 +272,27 @@ async fn converge(sp: &SessionPipeline, ctx: &Context) -> Result<Action, Error> 
         }
     }
 
-    let keep: HashSet<&str> = plans.iter().map(|p| p.stage.as_str()).collect();
-    delete_stale(&config_maps, &existing_config_maps, &keep, &uid).await?;
-    let removed = delete_stale(&deployments, &existing_deployments, &keep, &uid).await?;
-    delete_stale(&services, &existing_services, &keep, &uid).await?;
+    // Kept by name, not by stage: an object of a stage still in the spec but under another
+    // name (the names an older operator rendered) is deleted too.
+    let names = |f: &dyn Fn(&StagePlan) -> Option<String>| -> HashSet<String> {
+        plans.iter().filter_map(f).collect()
+    };
+    let keep_cms = names(&|p| p.config_map.metadata.name.clone());
+    let keep_deployments = names(&|p| p.deployment.metadata.name.clone());
+    let keep_services = names(&|p| p.service.metadata.name.clone());
     // A stage whose budget was turned off keeps its other objects but loses its budget.
-    let keep_budgets: HashSet<&str> = plans
-        .iter()
-        .filter(|p| p.disruption_budget.is_some())
-        .map(|p| p.stage.as_str())
-        .collect();
+    let keep_budgets = names(&|p| {
+        p.disruption_budget
+            .as_ref()
+            .and_then(|b| b.metadata.name.clone())
+    });
+    delete_stale(&config_maps, &existing_config_maps, &keep_cms, &uid).await?;
+    let removed =
+        delete_stale(&deployments, &existing_deployments, &keep_deployments, &uid).await?;
+    delete_stale(&services, &existing_services, &keep_services, &uid).await?;
     delete_stale(&budgets, &existing_budgets, &keep_budgets, &uid).await?;
-    for stage in &removed {
+    let stages: HashSet<&str> = plans.iter().map(|p| p.stage.as_str()).collect();
+    for stage in removed.iter().filter(|s| !stages.contains(s.as_str())) {
         ctx.metrics.forget_stage(&namespace, &sp.name_any(), stage);
         publish(
             sp,
@@ -502,7 +511,7 @@ where
 async fn delete_stale<K>(
     api: &Api<K>,
     existing: &[K],
-    keep: &HashSet<&str>,
+    keep: &HashSet<String>,
     owner_uid: &str,
 ) -> Result<Vec<String>, Error>
 where
@@ -514,7 +523,7 @@ where
             continue;
         };
         let owned = obj.owner_references().iter().any(|o| o.uid == owner_uid);
-        if keep.contains(stage.as_str()) || !owned {
+        if keep.contains(&obj.name_any()) || !owned {
             continue;
         }
         match api

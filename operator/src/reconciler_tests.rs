@@ -126,24 +126,40 @@ async fn first_pass(sp: &SessionPipeline) -> (Cluster, Value) {
         for stage in &stages {
             // Names not in the pipeline's lists are looked up first: none is taken.
             for path in [
-                format!("{CM}/chat-{stage}"),
-                format!("{DEP}/chat-{stage}"),
-                format!("{SVC}/chat-{stage}-metrics"),
-                format!("{PDB}/chat-{stage}"),
+                format!("{CM}/{}", crate::render::stage_object_name("chat", stage)),
+                format!("{DEP}/{}", crate::render::stage_object_name("chat", stage)),
+                format!("{SVC}/{}", crate::render::service_name("chat", stage)),
+                format!("{PDB}/{}", crate::render::stage_object_name("chat", stage)),
             ] {
                 server.fail(Method::GET, &path, 404).await;
             }
             let cm = server
-                .expect(Method::PATCH, &format!("{CM}/chat-{stage}"), echo)
+                .expect(
+                    Method::PATCH,
+                    &format!("{CM}/{}", crate::render::stage_object_name("chat", stage)),
+                    echo,
+                )
                 .await;
             let dep = server
-                .expect(Method::PATCH, &format!("{DEP}/chat-{stage}"), echo)
+                .expect(
+                    Method::PATCH,
+                    &format!("{DEP}/{}", crate::render::stage_object_name("chat", stage)),
+                    echo,
+                )
                 .await;
             let svc = server
-                .expect(Method::PATCH, &format!("{SVC}/chat-{stage}-metrics"), echo)
+                .expect(
+                    Method::PATCH,
+                    &format!("{SVC}/{}", crate::render::service_name("chat", stage)),
+                    echo,
+                )
                 .await;
             let pdb = server
-                .expect(Method::PATCH, &format!("{PDB}/chat-{stage}"), echo)
+                .expect(
+                    Method::PATCH,
+                    &format!("{PDB}/{}", crate::render::stage_object_name("chat", stage)),
+                    echo,
+                )
                 .await;
             for seen in [&cm, &dep, &svc, &pdb] {
                 assert!(
@@ -271,20 +287,32 @@ async fn a_stage_removed_from_the_spec_is_removed_from_the_cluster() {
     scenario(sp, |mut server| async move {
         lists(&mut server, &cluster).await;
         server
-            .expect(Method::DELETE, &format!("{CM}/chat-llm"), echo_deleted)
-            .await;
-        server
-            .expect(Method::DELETE, &format!("{DEP}/chat-llm"), echo_deleted)
-            .await;
-        server
             .expect(
                 Method::DELETE,
-                &format!("{SVC}/chat-llm-metrics"),
+                &format!("{CM}/chat-llm-8dcd942b"),
                 echo_deleted,
             )
             .await;
         server
-            .expect(Method::DELETE, &format!("{PDB}/chat-llm"), echo_deleted)
+            .expect(
+                Method::DELETE,
+                &format!("{DEP}/chat-llm-8dcd942b"),
+                echo_deleted,
+            )
+            .await;
+        server
+            .expect(
+                Method::DELETE,
+                &format!("{SVC}/chat-llm-8dcd942b-metrics"),
+                echo_deleted,
+            )
+            .await;
+        server
+            .expect(
+                Method::DELETE,
+                &format!("{PDB}/chat-llm-8dcd942b"),
+                echo_deleted,
+            )
             .await;
         let event = server.expect(Method::POST, EVENTS, echo).await;
         assert_eq!(event.body["reason"], "StageRemoved");
@@ -448,14 +476,14 @@ async fn impossible_timeouts_keep_the_running_workers_and_fixing_them_rolls_the_
     scenario(fixed, |mut server| async move {
         lists(&mut server, &cluster).await;
         let cm = server
-            .expect(Method::PATCH, &format!("{CM}/chat-nlu"), echo)
+            .expect(Method::PATCH, &format!("{CM}/chat-nlu-bb263a2d"), echo)
             .await;
         let config = cm.body["data"]["stage.yaml"].as_str().unwrap();
         let parsed = sessionflow_worker::config::StageConfig::from_yaml(config).unwrap();
         assert_eq!(parsed.rebalance.drain_timeout_ms, 27_499);
         assert_eq!(parsed.kafka["max.poll.interval.ms"], "60000");
         let dep = server
-            .expect(Method::PATCH, &format!("{DEP}/chat-nlu"), echo)
+            .expect(Method::PATCH, &format!("{DEP}/chat-nlu-bb263a2d"), echo)
             .await;
         // ⌈(3 × 27 499 + 20 000) / 1000⌉ + 10 s fence + 10 s commits + 20 s close + 10 s slack.
         assert_eq!(
@@ -464,10 +492,10 @@ async fn impossible_timeouts_keep_the_running_workers_and_fixing_them_rolls_the_
         );
         // The llm stage's ConfigMap changes too (the pipeline-wide property), nothing else.
         server
-            .expect(Method::PATCH, &format!("{CM}/chat-llm"), echo)
+            .expect(Method::PATCH, &format!("{CM}/chat-llm-8dcd942b"), echo)
             .await;
         server
-            .expect(Method::PATCH, &format!("{DEP}/chat-llm"), echo)
+            .expect(Method::PATCH, &format!("{DEP}/chat-llm-8dcd942b"), echo)
             .await;
         let status = server
             .expect(Method::PATCH, STATUS, status_reply(&fixed2))
@@ -595,7 +623,7 @@ async fn pods_that_cannot_run_make_the_pipeline_degraded_with_the_pod_named() {
     assert_eq!(degraded["reason"], "ProgressDeadlineExceeded");
     assert_eq!(
         degraded["message"],
-        "stage nlu: Deployment chat-nlu: ReplicaSet \"chat-nlu-5c7d9\" has timed out progressing."
+        "stage nlu: Deployment chat-nlu-bb263a2d: ReplicaSet \"chat-nlu-5c7d9\" has timed out progressing."
     );
 }
 
@@ -610,22 +638,22 @@ async fn ready_holds_while_the_autoscaler_adds_replicas() {
     let task = tokio::spawn(reconcile(Arc::new(sp.clone()), ctx.clone()));
     lists(&mut server, &Cluster::default()).await;
     for path in [
-        format!("{CM}/chat-nlu"),
-        format!("{DEP}/chat-nlu"),
-        format!("{SVC}/chat-nlu-metrics"),
-        format!("{PDB}/chat-nlu"),
+        format!("{CM}/chat-nlu-bb263a2d"),
+        format!("{DEP}/chat-nlu-bb263a2d"),
+        format!("{SVC}/chat-nlu-bb263a2d-metrics"),
+        format!("{PDB}/chat-nlu-bb263a2d"),
     ] {
         server.fail(Method::GET, &path, 404).await;
     }
     let mut cluster = Cluster::default();
     cluster.config_maps.push(
         server
-            .expect(Method::PATCH, &format!("{CM}/chat-nlu"), echo)
+            .expect(Method::PATCH, &format!("{CM}/chat-nlu-bb263a2d"), echo)
             .await
             .body,
     );
     let dep = server
-        .expect(Method::PATCH, &format!("{DEP}/chat-nlu"), |seen| {
+        .expect(Method::PATCH, &format!("{DEP}/chat-nlu-bb263a2d"), |seen| {
             let mut d = seen.body.clone();
             d["metadata"]["generation"] = json!(1);
             d
@@ -634,13 +662,17 @@ async fn ready_holds_while_the_autoscaler_adds_replicas() {
     cluster.deployments.push(dep.body);
     cluster.services.push(
         server
-            .expect(Method::PATCH, &format!("{SVC}/chat-nlu-metrics"), echo)
+            .expect(
+                Method::PATCH,
+                &format!("{SVC}/chat-nlu-bb263a2d-metrics"),
+                echo,
+            )
             .await
             .body,
     );
     cluster.budgets.push(
         server
-            .expect(Method::PATCH, &format!("{PDB}/chat-nlu"), echo)
+            .expect(Method::PATCH, &format!("{PDB}/chat-nlu-bb263a2d"), echo)
             .await
             .body,
     );
@@ -695,10 +727,14 @@ async fn an_edited_or_deleted_child_is_repaired_on_the_next_pass() {
     scenario(sp, |mut server| async move {
         lists(&mut server, &drifted).await;
         server
-            .fail(Method::GET, &format!("{SVC}/chat-nlu-metrics"), 404)
+            .fail(
+                Method::GET,
+                &format!("{SVC}/chat-nlu-bb263a2d-metrics"),
+                404,
+            )
             .await;
         let dep = server
-            .expect(Method::PATCH, &format!("{DEP}/chat-nlu"), echo)
+            .expect(Method::PATCH, &format!("{DEP}/chat-nlu-bb263a2d"), echo)
             .await;
         assert_eq!(
             dep.body["spec"]["template"]["spec"]["containers"][0]["image"],
@@ -706,7 +742,11 @@ async fn an_edited_or_deleted_child_is_repaired_on_the_next_pass() {
         );
         assert!(dep.query_has("force=true"));
         server
-            .expect(Method::PATCH, &format!("{SVC}/chat-nlu-metrics"), echo)
+            .expect(
+                Method::PATCH,
+                &format!("{SVC}/chat-nlu-bb263a2d-metrics"),
+                echo,
+            )
             .await;
         // The repaired stage rolls again: the status still says Progressing, as before.
         let _ = sp2;
@@ -722,35 +762,35 @@ async fn a_name_held_by_another_object_is_a_conflict_and_never_taken_over() {
     let sp2 = sp.clone();
     scenario(sp, |mut server| async move {
         lists(&mut server, &Cluster::default()).await;
-        // chat-nlu's ConfigMap exists without the pipeline's label or owner (another
-        // pipeline `chat-nlu`'s, or a hand-made one).
+        // chat-nlu-bb263a2d's ConfigMap exists without the pipeline's label or owner (another
+        // pipeline `chat-nlu-bb263a2d`'s, or a hand-made one).
         server
-            .expect(Method::GET, &format!("{CM}/chat-nlu"), |_| {
+            .expect(Method::GET, &format!("{CM}/chat-nlu-bb263a2d"), |_| {
                 json!({"apiVersion": "v1", "kind": "ConfigMap",
-                       "metadata": {"name": "chat-nlu", "namespace": "shop"}, "data": {"x": "y"}})
+                       "metadata": {"name": "chat-nlu-bb263a2d", "namespace": "shop"}, "data": {"x": "y"}})
             })
             .await;
         for path in [
-            format!("{DEP}/chat-nlu"),
-            format!("{SVC}/chat-nlu-metrics"),
-            format!("{PDB}/chat-nlu"),
+            format!("{DEP}/chat-nlu-bb263a2d"),
+            format!("{SVC}/chat-nlu-bb263a2d-metrics"),
+            format!("{PDB}/chat-nlu-bb263a2d"),
         ] {
             server.fail(Method::GET, &path, 404).await;
         }
         // Nothing of stage nlu is written; stage llm is.
         for path in [
-            format!("{CM}/chat-llm"),
-            format!("{DEP}/chat-llm"),
-            format!("{SVC}/chat-llm-metrics"),
-            format!("{PDB}/chat-llm"),
+            format!("{CM}/chat-llm-8dcd942b"),
+            format!("{DEP}/chat-llm-8dcd942b"),
+            format!("{SVC}/chat-llm-8dcd942b-metrics"),
+            format!("{PDB}/chat-llm-8dcd942b"),
         ] {
             server.fail(Method::GET, &path, 404).await;
         }
         for path in [
-            format!("{CM}/chat-llm"),
-            format!("{DEP}/chat-llm"),
-            format!("{SVC}/chat-llm-metrics"),
-            format!("{PDB}/chat-llm"),
+            format!("{CM}/chat-llm-8dcd942b"),
+            format!("{DEP}/chat-llm-8dcd942b"),
+            format!("{SVC}/chat-llm-8dcd942b-metrics"),
+            format!("{PDB}/chat-llm-8dcd942b"),
         ] {
             server.expect(Method::PATCH, &path, echo).await;
         }
@@ -762,7 +802,7 @@ async fn a_name_held_by_another_object_is_a_conflict_and_never_taken_over() {
         assert_eq!(degraded["reason"], "NameConflict");
         let message = degraded["message"].as_str().unwrap();
         assert!(
-            message.starts_with("ConfigMap chat-nlu not created by this SessionPipeline"),
+            message.starts_with("ConfigMap chat-nlu-bb263a2d not created by this SessionPipeline"),
             "{message}"
         );
         assert!(
@@ -793,10 +833,10 @@ async fn a_topic_failure_still_writes_the_stages_status_and_keeps_the_observed_g
         lists(&mut server, &cluster).await;
         // The new property is in the worker config: ConfigMap and Deployment change.
         server
-            .expect(Method::PATCH, &format!("{CM}/chat-nlu"), echo)
+            .expect(Method::PATCH, &format!("{CM}/chat-nlu-bb263a2d"), echo)
             .await;
         server
-            .expect(Method::PATCH, &format!("{DEP}/chat-nlu"), echo)
+            .expect(Method::PATCH, &format!("{DEP}/chat-nlu-bb263a2d"), echo)
             .await;
         let status = server
             .expect(Method::PATCH, STATUS, status_reply(&sp2))
@@ -864,35 +904,39 @@ async fn a_rotated_secret_rolls_the_stage_and_nothing_else() {
             .await;
         lists(&mut server, &Cluster::default()).await;
         for path in [
-            format!("{CM}/chat-nlu"),
-            format!("{DEP}/chat-nlu"),
-            format!("{SVC}/chat-nlu-metrics"),
-            format!("{PDB}/chat-nlu"),
+            format!("{CM}/chat-nlu-bb263a2d"),
+            format!("{DEP}/chat-nlu-bb263a2d"),
+            format!("{SVC}/chat-nlu-bb263a2d-metrics"),
+            format!("{PDB}/chat-nlu-bb263a2d"),
         ] {
             server.fail(Method::GET, &path, 404).await;
         }
         let mut c = Cluster::default();
         c.config_maps.push(
             server
-                .expect(Method::PATCH, &format!("{CM}/chat-nlu"), echo)
+                .expect(Method::PATCH, &format!("{CM}/chat-nlu-bb263a2d"), echo)
                 .await
                 .body,
         );
         c.deployments.push(
             server
-                .expect(Method::PATCH, &format!("{DEP}/chat-nlu"), echo)
+                .expect(Method::PATCH, &format!("{DEP}/chat-nlu-bb263a2d"), echo)
                 .await
                 .body,
         );
         c.services.push(
             server
-                .expect(Method::PATCH, &format!("{SVC}/chat-nlu-metrics"), echo)
+                .expect(
+                    Method::PATCH,
+                    &format!("{SVC}/chat-nlu-bb263a2d-metrics"),
+                    echo,
+                )
                 .await
                 .body,
         );
         c.budgets.push(
             server
-                .expect(Method::PATCH, &format!("{PDB}/chat-nlu"), echo)
+                .expect(Method::PATCH, &format!("{PDB}/chat-nlu-bb263a2d"), echo)
                 .await
                 .body,
         );
@@ -934,7 +978,7 @@ async fn a_rotated_secret_rolls_the_stage_and_nothing_else() {
             .await;
         lists(&mut server, &cluster).await;
         let dep = server
-            .expect(Method::PATCH, &format!("{DEP}/chat-nlu"), echo)
+            .expect(Method::PATCH, &format!("{DEP}/chat-nlu-bb263a2d"), echo)
             .await;
         let after = annotation(&dep.body);
         assert!(after.is_string() && after != before, "{before} → {after}");
@@ -992,4 +1036,55 @@ async fn only_the_leader_reconciles() {
         .await;
     assert!(first.query_has("labelSelector="), "{}", first.uri);
     task.abort();
+}
+
+/// Objects under the names an older operator rendered (`<pipeline>-<stage>`, no hash) belong
+/// to a stage still in the spec: the pass applies the new names and deletes the old objects,
+/// without a StageRemoved event.
+#[tokio::test]
+async fn objects_under_the_names_of_an_older_operator_are_replaced() {
+    let (mut cluster, status) = first_pass(&pipeline(&["nlu"])).await;
+    let rename = |items: &mut Vec<Value>, old: &str| {
+        for item in items.iter_mut() {
+            item["metadata"]["name"] = json!(old);
+        }
+    };
+    rename(&mut cluster.config_maps, "chat-nlu");
+    rename(&mut cluster.deployments, "chat-nlu");
+    rename(&mut cluster.services, "chat-nlu-metrics");
+    rename(&mut cluster.budgets, "chat-nlu");
+    let sp = with_status(&pipeline(&["nlu"]), &status);
+    scenario(sp, |mut server| async move {
+        lists(&mut server, &cluster).await;
+        let new = crate::render::stage_object_name("chat", "nlu");
+        let new_svc = crate::render::service_name("chat", "nlu");
+        for path in [
+            format!("{CM}/{new}"),
+            format!("{DEP}/{new}"),
+            format!("{SVC}/{new_svc}"),
+            format!("{PDB}/{new}"),
+        ] {
+            server.fail(Method::GET, &path, 404).await;
+        }
+        for path in [
+            format!("{CM}/{new}"),
+            format!("{DEP}/{new}"),
+            format!("{SVC}/{new_svc}"),
+            format!("{PDB}/{new}"),
+        ] {
+            server.expect(Method::PATCH, &path, echo).await;
+        }
+        for path in [
+            format!("{CM}/chat-nlu"),
+            format!("{DEP}/chat-nlu"),
+            format!("{SVC}/chat-nlu-metrics"),
+            format!("{PDB}/chat-nlu"),
+        ] {
+            server.expect(Method::DELETE, &path, echo_deleted).await;
+        }
+        // No StageRemoved event, and the status did not change: nothing more is sent.
+        server
+    })
+    .await
+    .unwrap();
 }

@@ -72,14 +72,31 @@ pub fn group_id(namespace: &str, pipeline: &str, stage: &str) -> String {
     format!("sessionflow.{namespace}.{pipeline}.{stage}")
 }
 
-/// Name of a stage's Deployment and ConfigMap.
+/// Name of a stage's Deployment, ConfigMap and PodDisruptionBudget:
+/// `<pipeline>-<stage>-<hash>`, where the hash (8 hex digits of FNV-1a over the pipeline and
+/// stage names) keeps pipeline `a-b` with stage `c` apart from pipeline `a` with stage `b-c`.
 pub fn stage_object_name(pipeline: &str, stage: &str) -> String {
-    format!("{pipeline}-{stage}")
+    unique_name(pipeline, stage, "")
 }
 
-/// Name of a stage's metrics Service.
+/// Name of a stage's metrics Service: `<pipeline>-<stage>-<hash>-metrics`.
 pub fn service_name(pipeline: &str, stage: &str) -> String {
-    format!("{pipeline}-{stage}-metrics")
+    unique_name(pipeline, stage, "-metrics")
+}
+
+/// A DNS-1123 label (at most 63 characters) unique per (pipeline, stage): the readable part is
+/// shortened when needed, the hash and the suffix never are.
+fn unique_name(pipeline: &str, stage: &str, suffix: &str) -> String {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in pipeline.bytes().chain([0]).chain(stage.bytes()) {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    let hash = format!("{:08x}", (hash ^ (hash >> 32)) as u32);
+    let room = 63 - 1 - hash.len() - suffix.len();
+    let readable = format!("{pipeline}-{stage}");
+    let readable = readable[..readable.len().min(room)].trim_end_matches(['-', '.']);
+    format!("{readable}-{hash}{suffix}")
 }
 
 /// Labels of every object of a stage; the first two select its pods.
@@ -1036,7 +1053,7 @@ sidecars:
         sp.spec.stages[2].disruption_budget = Some(yaml("enabled: false"));
         let plans = plan(&sp, &defaults()).unwrap();
         let budget = plans[0].disruption_budget.as_ref().unwrap();
-        assert_eq!(budget.metadata.name.as_deref(), Some("chat-nlu"));
+        assert_eq!(budget.metadata.name.as_deref(), Some("chat-nlu-bb263a2d"));
         let spec = budget.spec.as_ref().unwrap();
         assert_eq!(
             spec.max_unavailable,
@@ -1083,6 +1100,78 @@ sidecars:
         sp.spec.stages[1].disruption_budget = Some(yaml("maxUnavailable: most"));
         let err = plan(&sp, &defaults()).unwrap_err();
         assert_eq!(err.field, "spec.stages[1].disruptionBudget.maxUnavailable");
+    }
+
+    fn rendered_names(pipeline_name: &str, stage: &str) -> Vec<String> {
+        let mut sp = pipeline(&[stage]);
+        sp.metadata.name = Some(pipeline_name.into());
+        let plan = plan(&sp, &defaults()).unwrap().remove(0);
+        let pdb = plan.disruption_budget.expect("a budget by default");
+        [
+            plan.config_map.metadata.name,
+            plan.deployment.metadata.name,
+            plan.service.metadata.name,
+            pdb.metadata.name,
+        ]
+        .into_iter()
+        .map(Option::unwrap)
+        .collect()
+    }
+
+    /// Issue 36, item 5: pipeline `a-b` with stage `c` and pipeline `a` with stage `b-c`.
+    #[test]
+    fn the_collision_pair_renders_distinct_names_for_every_object() {
+        let one = rendered_names("a-b", "c");
+        let two = rendered_names("a", "b-c");
+        for (a, b) in one.iter().zip(&two) {
+            assert_ne!(a, b);
+            assert!(
+                a.starts_with("a-b-c-") && b.starts_with("a-b-c-"),
+                "{a} {b}: readable"
+            );
+        }
+        assert_eq!(one[0], stage_object_name("a-b", "c"));
+        assert_eq!(one[2], service_name("a-b", "c"));
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn names_are_dns_labels_unique_per_pipeline_and_stage(
+            p1 in "[a-z0-9]([a-z0-9-]{0,50}[a-z0-9])?",
+            s1 in "[a-z0-9]([a-z0-9-]{0,50}[a-z0-9])?",
+            p2 in "[a-z0-9]([a-z0-9-]{0,50}[a-z0-9])?",
+            s2 in "[a-z0-9]([a-z0-9-]{0,50}[a-z0-9])?",
+        ) {
+            let label = regex_lite_dns_label;
+            for name in [stage_object_name(&p1, &s1), service_name(&p1, &s1)] {
+                proptest::prop_assert!(label(&name), "{name}");
+            }
+            if (&p1, &s1) != (&p2, &s2) {
+                proptest::prop_assert_ne!(stage_object_name(&p1, &s1), stage_object_name(&p2, &s2));
+                proptest::prop_assert_ne!(service_name(&p1, &s1), service_name(&p2, &s2));
+            }
+        }
+    }
+
+    fn regex_lite_dns_label(name: &str) -> bool {
+        let bytes = name.as_bytes();
+        !name.is_empty()
+            && name.len() <= 63
+            && bytes
+                .iter()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-')
+            && bytes[0].is_ascii_alphanumeric()
+            && bytes[bytes.len() - 1].is_ascii_alphanumeric()
+    }
+
+    #[test]
+    fn long_names_are_shortened_and_keep_their_hash() {
+        let (p, s) = ("p".repeat(60), "s".repeat(60));
+        let name = stage_object_name(&p, &s);
+        assert_eq!(name.len(), 63);
+        assert!(regex_lite_dns_label(&service_name(&p, &s)));
+        assert!(service_name(&p, &s).ends_with("-metrics"));
+        assert_ne!(name, stage_object_name(&p, &"s".repeat(59)));
     }
 
     #[test]

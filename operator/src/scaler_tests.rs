@@ -17,7 +17,7 @@ use crate::fixtures::{
     cluster_with_lag, deployment, pipeline, scaler_of, stalled_pass_clock, Seen,
 };
 
-const DEP: &str = "/apis/apps/v1/namespaces/shop/deployments/chat-nlu";
+const DEP: &str = "/apis/apps/v1/namespaces/shop/deployments/chat-nlu-bb263a2d";
 const STATUS: &str = "/apis/sessionflow.io/v1alpha1/namespaces/shop/sessionpipelines/chat/status";
 
 /// One pass of `scaler` in a task that gives the scaler back for the next pass.
@@ -74,10 +74,12 @@ async fn a_pass_reads_lag_scales_the_deployment_and_reports_it() {
     let (scaler, mut server, mut writer, metrics) = scaler_of(std::slice::from_ref(&sp));
     let pass = spawn_pass(scaler);
     server
-        .expect(Method::GET, DEP, |_| deployment("chat-nlu", 1, 1))
+        .expect(Method::GET, DEP, |_| deployment("chat-nlu-bb263a2d", 1, 1))
         .await;
     let scale = server
-        .expect(Method::PATCH, DEP, |_| deployment("chat-nlu", 3, 1))
+        .expect(Method::PATCH, DEP, |_| {
+            deployment("chat-nlu-bb263a2d", 3, 1)
+        })
         .await;
     assert!(
         scale.query_has("fieldManager=sessionflow-autoscaler"),
@@ -125,7 +127,7 @@ async fn a_pass_reads_lag_scales_the_deployment_and_reports_it() {
     writer.apply_watcher_event(&watcher::Event::Apply(shown(&sp, &status)));
     let pass = spawn_pass(scaler);
     server
-        .expect(Method::GET, DEP, |_| deployment("chat-nlu", 3, 1))
+        .expect(Method::GET, DEP, |_| deployment("chat-nlu-bb263a2d", 3, 1))
         .await;
     server.expect_silence(Duration::from_millis(300)).await;
     let scaler = pass.await.unwrap();
@@ -153,7 +155,9 @@ async fn an_external_stage_never_gets_its_replicas_written() {
 
     let pass = spawn_pass(scaler);
     server
-        .expect(Method::GET, DEP, |_| deployment("chat-nlu", 20, 20))
+        .expect(Method::GET, DEP, |_| {
+            deployment("chat-nlu-bb263a2d", 20, 20)
+        })
         .await;
     let status = server.expect(Method::PATCH, STATUS, status_echo(&sp)).await;
     server.expect_silence(Duration::from_millis(300)).await;
@@ -181,10 +185,14 @@ async fn an_external_stage_never_gets_its_replicas_written() {
     writer.apply_watcher_event(&watcher::Event::Apply(lag_mode.clone()));
     let pass = spawn_pass(scaler);
     server
-        .expect(Method::GET, DEP, |_| deployment("chat-nlu", 20, 20))
+        .expect(Method::GET, DEP, |_| {
+            deployment("chat-nlu-bb263a2d", 20, 20)
+        })
         .await;
     let scale = server
-        .expect(Method::PATCH, DEP, |_| deployment("chat-nlu", 10, 10))
+        .expect(Method::PATCH, DEP, |_| {
+            deployment("chat-nlu-bb263a2d", 10, 10)
+        })
         .await;
     assert_eq!(scale.body["spec"], json!({ "replicas": 10 }));
     server
@@ -206,7 +214,9 @@ async fn a_paused_pipeline_is_left_as_it_is_until_resumed() {
 
     let pass = spawn_pass(scaler);
     server
-        .expect(Method::GET, DEP, |_| deployment("chat-nlu", 20, 20))
+        .expect(Method::GET, DEP, |_| {
+            deployment("chat-nlu-bb263a2d", 20, 20)
+        })
         .await;
     let status = server.expect(Method::PATCH, STATUS, status_echo(&sp)).await;
     server.expect_silence(Duration::from_millis(300)).await;
@@ -227,7 +237,9 @@ async fn a_paused_pipeline_is_left_as_it_is_until_resumed() {
     writer.apply_watcher_event(&watcher::Event::Apply(again.clone()));
     let pass = spawn_pass(scaler);
     server
-        .expect(Method::GET, DEP, |_| deployment("chat-nlu", 20, 20))
+        .expect(Method::GET, DEP, |_| {
+            deployment("chat-nlu-bb263a2d", 20, 20)
+        })
         .await;
     server.expect_silence(Duration::from_millis(300)).await;
     let scaler = pass.await.unwrap();
@@ -238,10 +250,14 @@ async fn a_paused_pipeline_is_left_as_it_is_until_resumed() {
     writer.apply_watcher_event(&watcher::Event::Apply(resumed.clone()));
     let pass = spawn_pass(scaler);
     server
-        .expect(Method::GET, DEP, |_| deployment("chat-nlu", 20, 20))
+        .expect(Method::GET, DEP, |_| {
+            deployment("chat-nlu-bb263a2d", 20, 20)
+        })
         .await;
     let scale = server
-        .expect(Method::PATCH, DEP, |_| deployment("chat-nlu", 10, 10))
+        .expect(Method::PATCH, DEP, |_| {
+            deployment("chat-nlu-bb263a2d", 10, 10)
+        })
         .await;
     assert_eq!(scale.body["spec"], json!({ "replicas": 10 }));
     let seen = server
@@ -286,7 +302,7 @@ async fn a_lag_that_cannot_be_read_is_a_fallback_with_the_reason() {
         )
         .await;
     server
-        .expect(Method::GET, DEP, |_| deployment("chat-nlu", 1, 1))
+        .expect(Method::GET, DEP, |_| deployment("chat-nlu-bb263a2d", 1, 1))
         .await;
     let status = server.expect(Method::PATCH, STATUS, status_echo(&sp)).await;
     server.expect_silence(Duration::from_millis(300)).await;
@@ -358,10 +374,12 @@ async fn an_unreachable_cluster_delays_only_its_own_pipeline() {
     .await
     .expect("the edge pipeline's lag read reached its broker");
     server
-        .expect(Method::GET, DEP, |_| deployment("chat-nlu", 1, 1))
+        .expect(Method::GET, DEP, |_| deployment("chat-nlu-bb263a2d", 1, 1))
         .await;
     let scale = server
-        .expect(Method::PATCH, DEP, |_| deployment("chat-nlu", 3, 3))
+        .expect(Method::PATCH, DEP, |_| {
+            deployment("chat-nlu-bb263a2d", 3, 3)
+        })
         .await;
     assert_eq!(scale.body["spec"], json!({ "replicas": 3 }));
     server
@@ -385,8 +403,8 @@ async fn an_unreachable_cluster_delays_only_its_own_pipeline() {
     server
         .expect(
             Method::GET,
-            "/apis/apps/v1/namespaces/edge/deployments/chat-nlu",
-            |_| deployment("chat-nlu", 2, 2),
+            "/apis/apps/v1/namespaces/edge/deployments/chat-nlu-bb263a2d",
+            |_| deployment("chat-nlu-bb263a2d", 2, 2),
         )
         .await;
     let edge_status = server
@@ -449,7 +467,7 @@ async fn only_the_leader_scales() {
     let pass = spawn_pass(scaler);
     // Leading: the pipeline's lag is read and its Deployment too.
     server
-        .expect(Method::GET, DEP, |_| deployment("chat-nlu", 1, 1))
+        .expect(Method::GET, DEP, |_| deployment("chat-nlu-bb263a2d", 1, 1))
         .await;
     pass.abort();
 }
