@@ -145,7 +145,7 @@ callgrind:
 ## CHAOS_CLUSTER=mock: librdkafka's mock cluster in the chaos process) under a schedule of
 ## faults drawn from CHAOS_SEED (default: the time, printed), CHAOS_SECONDS long, load from
 ## loadgen (CHAOS_DELIVERY=exactlyOnce: the workers in `delivery: exactlyOnce`, Kafka only,
-## judged also on 0 duplicates and 0 stale ends in the committed output);
+## judged also on 0 stale ends and no duplicate the input lacks, in the committed output);
 ## ends with verify and committed == end, prints the schedule and a one-line verdict,
 ## exits 1 unless OK. Logs under .local/chaos/.
 ## A harness that dies (the mock cluster's own assertions abort it) cannot stop its workers,

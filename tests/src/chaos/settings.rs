@@ -14,7 +14,7 @@ CHAOS_CLUSTER   kafka (3 nodes of Apache Kafka, scripts/kafka.sh, behind toxipro
 CHAOS_KAFKA_PORT  first port of the Kafka cluster: nodes on P..P+11, toxiproxy's API on P+12
                 (default 19300)
 CHAOS_DELIVERY  the workers' delivery: atLeastOnce (default) or exactlyOnce (Kafka only; the
-                verdict then also requires 0 duplicates and 0 stale ends in the committed
+                verdict then also requires 0 stale ends and no duplicate the input lacks in the committed
                 output, which verify reads read_committed)
 CHAOS_SEED      seed of the schedule, the load and the handler's faults (default: now, printed)
 CHAOS_SECONDS   length of the fault phase (default 120)
