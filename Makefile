@@ -144,7 +144,9 @@ callgrind:
 ## toxiproxy proxy, API on CHAOS_KAFKA_PORT+12 (scripts/toxiproxy.sh install builds it);
 ## CHAOS_CLUSTER=mock: librdkafka's mock cluster in the chaos process) under a schedule of
 ## faults drawn from CHAOS_SEED (default: the time, printed), CHAOS_SECONDS long, load from
-## loadgen; ends with verify and committed == end, prints the schedule and a one-line verdict,
+## loadgen (CHAOS_DELIVERY=exactlyOnce: the workers in `delivery: exactlyOnce`, Kafka only,
+## judged also on 0 stale ends and no duplicate the input lacks, in the committed output);
+## ends with verify and committed == end, prints the schedule and a one-line verdict,
 ## exits 1 unless OK. Logs under .local/chaos/.
 ## A harness that dies (the mock cluster's own assertions abort it) cannot stop its workers,
 ## its Kafka nodes or its toxiproxy: they are stopped after it, so none is left running. The
@@ -155,11 +157,12 @@ CHAOS_SEED ?=
 CHAOS_SECONDS ?= 120
 CHAOS_CLUSTER ?= kafka
 CHAOS_KAFKA_PORT ?= 19300
+CHAOS_DELIVERY ?=
 chaos:
 	$(CARGO) build -p sessionflow-worker --bin sessionflow-worker -p sessionflow-tests --bin sessionflow-chaos
 	@if [ "$(CHAOS_CLUSTER)" = kafka ]; then scripts/kafka.sh install && scripts/toxiproxy.sh install; fi
 	CHAOS_SEED=$(CHAOS_SEED) CHAOS_SECONDS=$(CHAOS_SECONDS) CHAOS_CLUSTER=$(CHAOS_CLUSTER) \
-	  CHAOS_KAFKA_PORT=$(CHAOS_KAFKA_PORT) \
+	  CHAOS_KAFKA_PORT=$(CHAOS_KAFKA_PORT) CHAOS_DELIVERY=$(CHAOS_DELIVERY) \
 	  $${CARGO_TARGET_DIR:-target}/debug/sessionflow-chaos; status=$$?; \
 	  pkill -KILL -f 'sessionflow-worker run --config $(CURDIR)/[.]local/chaos/' || true; \
 	  if [ "$(CHAOS_CLUSTER)" = kafka ]; then \

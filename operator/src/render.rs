@@ -595,6 +595,30 @@ mod tests {
     }
 
     #[test]
+    fn delivery_comes_from_the_pipeline_unless_the_stage_sets_it() {
+        use sessionflow_worker::config::Delivery;
+        let mut sp = pipeline(&["nlu", "llm"]);
+        let plans = plan(&sp, &defaults()).unwrap();
+        assert_eq!(plans[0].config.settings.delivery(), Delivery::AtLeastOnce);
+        sp.spec.defaults.delivery = Some(Delivery::ExactlyOnce);
+        sp.spec.stages[1].settings.delivery = Some(Delivery::AtLeastOnce);
+        let plans = plan(&sp, &defaults()).unwrap();
+        assert_eq!(plans[0].config.settings.delivery(), Delivery::ExactlyOnce);
+        assert_eq!(plans[1].config.settings.delivery(), Delivery::AtLeastOnce);
+        // The ConfigMap carries it to the worker.
+        for (p, want) in plans
+            .iter()
+            .zip([Delivery::ExactlyOnce, Delivery::AtLeastOnce])
+        {
+            let yaml = &p.config_map.data.as_ref().unwrap()["stage.yaml"];
+            assert_eq!(
+                StageConfig::from_yaml(yaml).unwrap().settings.delivery(),
+                want
+            );
+        }
+    }
+
+    #[test]
     fn stage_settings_override_pipeline_defaults_which_override_worker_defaults() {
         let mut sp = pipeline(&["nlu", "llm"]);
         sp.spec.defaults.retry = Some(sessionflow_worker::config::RetryConfig {

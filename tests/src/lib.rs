@@ -101,6 +101,7 @@ impl Topics {
                 stuck: Some(Default::default()),
                 commit_interval_ms: Some(200),
                 shutdown_timeout_ms: Some(10_000),
+                delivery: None,
             },
             rebalance: Default::default(),
             lag_interval_ms: 500,
@@ -114,7 +115,6 @@ impl Topics {
             shutdown_drain_queued: false,
             metrics_addr: None,
             kafka,
-            delivery: Default::default(),
         }
     }
 

@@ -131,10 +131,10 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         metrics: metrics.clone(),
         fatal: tokens.fatal.clone(),
     };
-    metrics
-        .eos_enabled
-        .set(i64::from(config.delivery == Delivery::ExactlyOnce));
-    let transactions = (config.delivery == Delivery::ExactlyOnce).then(|| {
+    metrics.eos_enabled.set(i64::from(
+        config.settings.delivery() == Delivery::ExactlyOnce,
+    ));
+    let transactions = (config.settings.delivery() == Delivery::ExactlyOnce).then(|| {
         let mut c = producer_config(&config.brokers, &extra);
         c.set(
             "message.timeout.ms",

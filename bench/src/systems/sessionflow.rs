@@ -88,6 +88,7 @@ pub fn stage_config(settings: &SystemSettings) -> StageConfig {
             stuck: Some(Default::default()),
             commit_interval_ms: Some(1_000),
             shutdown_timeout_ms: Some(10_000),
+            delivery: None,
         },
         rebalance: Default::default(),
         dispatchers: 8,
@@ -101,7 +102,6 @@ pub fn stage_config(settings: &SystemSettings) -> StageConfig {
         metrics_addr: None,
         otlp_endpoint: None,
         kafka,
-        delivery: Default::default(),
     }
 }
 

@@ -28,6 +28,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use sessionflow_tools::verify::{self, VerifyOptions};
+use sessionflow_worker::config::Delivery;
 use sessionflow_worker::StageConfig;
 
 use cluster::{ChaosCluster, RunTopics};
@@ -98,9 +99,14 @@ impl Clock {
 fn run(settings: &Settings) -> anyhow::Result<Verdict> {
     let seed = settings.seed;
     let schedule = Schedule::draw(seed, settings.seconds, settings.cluster);
+    let delivery = match settings.delivery {
+        Delivery::AtLeastOnce => "atLeastOnce",
+        Delivery::ExactlyOnce => "exactlyOnce",
+    };
     println!(
-        "chaos: seed={seed} seconds={} cluster={} (CHAOS_CLUSTER={} CHAOS_SEED={seed} \
-         CHAOS_SECONDS={} make chaos repeats this schedule)",
+        "chaos: seed={seed} seconds={} cluster={} delivery={delivery} (CHAOS_CLUSTER={} \
+         CHAOS_DELIVERY={delivery} CHAOS_SEED={seed} CHAOS_SECONDS={} make chaos repeats this \
+         schedule)",
         settings.seconds, settings.cluster, settings.cluster, settings.seconds
     );
     println!("schedule:\n{schedule}");
@@ -133,7 +139,9 @@ fn run(settings: &Settings) -> anyhow::Result<Verdict> {
         slow_ms: settings.slow_ms,
     };
     let producer = cluster.producer_properties();
-    let yaml = match stage_yaml(&brokers, &topics, &handler, schedule.rebalance, &producer) {
+    let stage =
+        |rebalance: &str| stage_yaml(&brokers, &topics, &handler, rebalance, delivery, &producer);
+    let yaml = match stage(schedule.rebalance) {
         // A worker that does not know KIP-848's protocol yet: the run goes on with the classic
         // protocol, and says so.
         Err(e) if schedule.rebalance == "consumer" => {
@@ -141,7 +149,7 @@ fn run(settings: &Settings) -> anyhow::Result<Verdict> {
                 "workers: the worker refuses `rebalance: {{strategy: consumer}}` ({e:#}); \
                  this run uses cooperative instead"
             );
-            stage_yaml(&brokers, &topics, &handler, "cooperative", &producer)?
+            stage("cooperative")?
         }
         other => other?,
     };
@@ -239,6 +247,7 @@ fn run(settings: &Settings) -> anyhow::Result<Verdict> {
     println!("{input}");
     Ok(Verdict {
         cluster: settings.cluster,
+        delivery: settings.delivery,
         seed,
         seconds: settings.seconds,
         input,
@@ -392,6 +401,7 @@ fn stage_yaml(
     topics: &RunTopics,
     handler: &Handler,
     rebalance: &str,
+    delivery: &str,
     producer: &[(String, String)],
 ) -> anyhow::Result<String> {
     let group_timings = if rebalance == "consumer" {
@@ -414,6 +424,7 @@ handler:
 {handler}retry: {{initialBackoffMs: 5, maxBackoffMs: 200}}
 rebalance: {{strategy: {rebalance}, drainTimeoutMs: 500}}
 commitIntervalMs: 200
+delivery: {delivery}
 metricsAddr: null
 kafka:
 {group_timings}  fetch.wait.max.ms: '100'
@@ -429,7 +440,11 @@ kafka:
             .map(|(k, v)| format!("  {k}: '{v}'\n"))
             .collect::<String>(),
     );
-    StageConfig::from_yaml(&yaml).map_err(|e| anyhow::anyhow!("the worker config: {e}"))?;
+    let config =
+        StageConfig::from_yaml(&yaml).map_err(|e| anyhow::anyhow!("the worker config: {e}"))?;
+    // What the worker checks at start (exactlyOnce refuses the consumer protocol).
+    sessionflow_worker::commit::exactly_once::check_stage(&config)
+        .map_err(|e| anyhow::anyhow!("the worker config: {e}"))?;
     Ok(yaml)
 }
 
@@ -437,6 +452,37 @@ kafka:
 mod tests {
     use super::*;
     use schedule::ClusterKind;
+
+    #[test]
+    fn exactly_once_runs_the_classic_protocols_on_kafka() {
+        let topics = RunTopics {
+            input: "in".into(),
+            output: "out".into(),
+            dlq: "dlq".into(),
+            group: "g".into(),
+        };
+        let handler = Handler {
+            seed: 1,
+            slow_ms: 3_000,
+        };
+        for rebalance in ClusterKind::Kafka.protocols() {
+            let yaml = stage_yaml(
+                "127.0.0.1:1",
+                &topics,
+                &handler,
+                rebalance,
+                "exactlyOnce",
+                &[],
+            );
+            if *rebalance == "consumer" {
+                // Refused like the worker does; the run falls back to cooperative.
+                assert!(yaml.is_err());
+            } else {
+                let config = StageConfig::from_yaml(&yaml.unwrap()).unwrap();
+                assert_eq!(config.settings.delivery(), Delivery::ExactlyOnce);
+            }
+        }
+    }
 
     #[test]
     fn the_worker_config_is_one_the_worker_accepts() {
@@ -454,8 +500,15 @@ mod tests {
             for slow_ms in [0, 3_000] {
                 for rebalance in cluster.protocols() {
                     let handler = Handler { seed: 1, slow_ms };
-                    let yaml = stage_yaml("127.0.0.1:1", &topics, &handler, rebalance, &producer)
-                        .unwrap_or_else(|e| panic!("{cluster} {rebalance}: {e:#}"));
+                    let yaml = stage_yaml(
+                        "127.0.0.1:1",
+                        &topics,
+                        &handler,
+                        rebalance,
+                        "atLeastOnce",
+                        &producer,
+                    )
+                    .unwrap_or_else(|e| panic!("{cluster} {rebalance}: {e:#}"));
                     assert_eq!(yaml.contains("slowMs"), slow_ms > 0);
                     let config = StageConfig::from_yaml(&yaml).unwrap();
                     // Only the mock's producers keep one request in flight.

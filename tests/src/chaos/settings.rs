@@ -3,6 +3,8 @@
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use sessionflow_worker::config::Delivery;
+
 use crate::schedule::ClusterKind;
 
 /// Environment variables and their defaults, for `--help`-like messages.
@@ -11,6 +13,9 @@ CHAOS_CLUSTER   kafka (3 nodes of Apache Kafka, scripts/kafka.sh, behind toxipro
                 (librdkafka's mock cluster in this process) (default kafka)
 CHAOS_KAFKA_PORT  first port of the Kafka cluster: nodes on P..P+11, toxiproxy's API on P+12
                 (default 19300)
+CHAOS_DELIVERY  the workers' delivery: atLeastOnce (default) or exactlyOnce (Kafka only; the
+                verdict then also requires 0 stale ends and no duplicate the input lacks in the committed
+                output, which verify reads read_committed)
 CHAOS_SEED      seed of the schedule, the load and the handler's faults (default: now, printed)
 CHAOS_SECONDS   length of the fault phase (default 120)
 CHAOS_RATE      records per second the load generator writes (default 150)
@@ -26,6 +31,8 @@ pub struct Settings {
     pub cluster: ClusterKind,
     /// First port of the Kafka cluster (`scripts/kafka.sh --port`).
     pub kafka_port: u16,
+    /// The workers' `delivery`.
+    pub delivery: Delivery,
     pub seed: u64,
     pub seconds: u64,
     pub rate: f64,
@@ -65,14 +72,26 @@ impl Settings {
              does) or name it in CHAOS_WORKER",
             worker.display()
         );
+        let cluster = match var("CHAOS_CLUSTER") {
+            Some(c) => c
+                .trim()
+                .parse()
+                .map_err(|e| anyhow::anyhow!("CHAOS_CLUSTER: {e}"))?,
+            None => ClusterKind::Kafka,
+        };
+        let delivery = match var("CHAOS_DELIVERY").as_deref().map(str::trim) {
+            None | Some("atLeastOnce") => Delivery::AtLeastOnce,
+            Some("exactlyOnce") => Delivery::ExactlyOnce,
+            Some(other) => anyhow::bail!("CHAOS_DELIVERY={other}: atLeastOnce or exactlyOnce"),
+        };
+        anyhow::ensure!(
+            !(delivery == Delivery::ExactlyOnce && cluster == ClusterKind::Mock),
+            "CHAOS_DELIVERY=exactlyOnce needs CHAOS_CLUSTER=kafka: the mock cluster has no \
+             transactions"
+        );
         Ok(Self {
-            cluster: match var("CHAOS_CLUSTER") {
-                Some(c) => c
-                    .trim()
-                    .parse()
-                    .map_err(|e| anyhow::anyhow!("CHAOS_CLUSTER: {e}"))?,
-                None => ClusterKind::Kafka,
-            },
+            cluster,
+            delivery,
             kafka_port: parse_or("CHAOS_KAFKA_PORT", 19_300)?,
             seed,
             seconds: parse_or("CHAOS_SECONDS", 120)?,

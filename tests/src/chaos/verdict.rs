@@ -9,16 +9,24 @@
 //! without transactions nothing fences them; they land after the next owner's writes. The
 //! mock's rule stays as it was (its stale ends were each traced to a cause of their own,
 //! RELIABILITY.md).
+//!
+//! In `exactlyOnce` (`CHAOS_DELIVERY`) the output is read `read_committed` (as `verify` always
+//! does) and what the transactions promise is judged too: 0 stale ends (a zombie's late writes
+//! are fenced by the broker) and no duplicate the input does not have itself (the load
+//! generator's producer is not idempotent: a retried send under the faults writes an input
+//! record twice, and the stage rightly handles both), on top of the rest.
 
 use std::fmt;
 
 use sessionflow_tools::verify::VerifyReport;
+use sessionflow_worker::config::Delivery;
 
 use crate::input::InputAudit;
 use crate::schedule::ClusterKind;
 
 pub struct Verdict {
     pub cluster: ClusterKind,
+    pub delivery: Delivery,
     pub seed: u64,
     pub seconds: u64,
     pub input: InputAudit,
@@ -31,9 +39,11 @@ pub struct Verdict {
 impl Verdict {
     pub fn is_ok(&self) -> bool {
         let r = &self.report;
+        let exactly_once = self.delivery == Delivery::ExactlyOnce;
         r.lost == 0
             && r.order_violations == 0
-            && (r.stale_ends == 0 || self.cluster == ClusterKind::Kafka)
+            && (r.stale_ends == 0 || (self.cluster == ClusterKind::Kafka && !exactly_once))
+            && (r.duplicates <= self.input.duplicates || !exactly_once)
             && r.gaps <= self.input.gaps
             && self.committed_equals_end
     }
@@ -44,10 +54,14 @@ impl fmt::Display for Verdict {
         let r = &self.report;
         write!(
             f,
-            "chaos: seed={} seconds={} records={} lost={} order_violations={} stale_ends={} \
+            "chaos: seed={} seconds={}{} records={} lost={} order_violations={} stale_ends={} \
              duplicates={} committed==end: {} → {}",
             self.seed,
             self.seconds,
+            match self.delivery {
+                Delivery::ExactlyOnce => " delivery=exactlyOnce",
+                Delivery::AtLeastOnce => "",
+            },
             self.input.records,
             r.lost,
             r.order_violations,
@@ -78,6 +92,7 @@ mod tests {
     fn verdict(report: VerifyReport, committed_equals_end: bool) -> Verdict {
         Verdict {
             cluster: ClusterKind::Mock,
+            delivery: Delivery::AtLeastOnce,
             seed: 7,
             seconds: 90,
             input: InputAudit {
@@ -134,6 +149,33 @@ mod tests {
         let mut v = verdict(VerifyReport::default(), false);
         v.cluster = ClusterKind::Kafka;
         assert!(!v.is_ok());
+    }
+
+    #[test]
+    fn exactly_once_also_judges_duplicates_and_stale_ends() {
+        let mut v = verdict(VerifyReport::default(), true);
+        v.cluster = ClusterKind::Kafka;
+        v.delivery = Delivery::ExactlyOnce;
+        assert!(v.is_ok());
+        assert!(v
+            .to_string()
+            .starts_with("chaos: seed=7 seconds=90 delivery=exactlyOnce records=100"));
+        v.report.duplicates = 1;
+        assert!(!v.is_ok());
+        v.input.duplicates = 1;
+        assert!(v.is_ok(), "a duplicate of the input is handled twice");
+        v.input.duplicates = 0;
+        v.report.duplicates = 0;
+        v.report.stale_ends = 1;
+        assert!(!v.is_ok());
+        v.delivery = Delivery::AtLeastOnce;
+        assert!(
+            v.is_ok(),
+            "at least once on Kafka: stale ends are reported only"
+        );
+        v.report.stale_ends = 0;
+        v.report.duplicates = 5;
+        assert!(v.is_ok(), "at least once: replays are reported only");
     }
 
     #[test]

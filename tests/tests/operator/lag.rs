@@ -194,3 +194,112 @@ async fn effective_lag_counts_out_records_the_commit_metadata_marks_done() {
     assert_eq!(autoscale::recommend(&p, &plain), 4);
     assert_eq!(autoscale::recommend(&p, &signal(&lags)), 2);
 }
+
+/// A topic written by a transactional producer: one committed transaction of 10 records (its
+/// commit marker at offset 10), then an open one (1 record at 11, not committed). A group
+/// consumes everything it can (`read_committed`) and commits its position (11: librdkafka's
+/// position skips the marker). The operator's reader reads to the last stable offset (11): lag
+/// 0, the open transaction is not lag; a `read_uncommitted` client's high watermark (12)
+/// counts the open record. The marker itself is below the LSO: a group that committed 10
+/// (its last record + 1) would see it as 1 of lag at either level.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lag_is_read_to_the_last_stable_offset_so_transactions_are_not_lag() {
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let topic = unique("op-lso");
+    let group = unique("op-lso-group");
+    topics::create(&brokers(), &[&topic], 1).await.unwrap();
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("transactional.id", unique("op-lso-txn"))
+        .create()
+        .unwrap();
+    let t = Duration::from_secs(30);
+    producer.init_transactions(t).unwrap();
+    producer.begin_transaction().unwrap();
+    for i in 0..10 {
+        let payload = i.to_string();
+        producer
+            .send(
+                FutureRecord::<str, str>::to(&topic)
+                    .key("s")
+                    .payload(&payload),
+                t,
+            )
+            .await
+            .unwrap();
+    }
+    producer.commit_transaction(t).unwrap();
+    // An open transaction after it.
+    producer.begin_transaction().unwrap();
+    producer
+        .send(
+            FutureRecord::<str, str>::to(&topic)
+                .key("s")
+                .payload("open"),
+            t,
+        )
+        .await
+        .unwrap();
+
+    // The group takes what read_committed lets it (the 10 records) and commits its position.
+    let consumer = member(&brokers(), &group);
+    consumer.subscribe(&[&topic]).unwrap();
+    let mut taken = 0;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while taken < 10 {
+        assert!(std::time::Instant::now() < deadline, "took {taken} of 10");
+        if let Some(m) = consumer.poll(Duration::from_millis(100)) {
+            m.unwrap();
+            taken += 1;
+        }
+    }
+    for _ in 0..10 {
+        let _ = consumer.poll(Duration::from_millis(100));
+    }
+    let position = consumer.position().unwrap();
+    let position = match position.find_partition(&topic, 0).unwrap().offset() {
+        Offset::Offset(o) => o,
+        other => panic!("position {other:?}"),
+    };
+    commit(&consumer, &topic, &[(0, position, "")]);
+
+    let lags = Connection::plain(&brokers())
+        .read_lag(&group, &topic)
+        .await
+        .unwrap();
+    let uncommitted: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", &group)
+        .set("enable.auto.commit", "false")
+        .set("isolation.level", "read_uncommitted")
+        .create()
+        .unwrap();
+    let raw = lag::read_with(&uncommitted, &topic, t).unwrap();
+    eprintln!(
+        "position {position}; read_committed: high {} committed {:?} lag {}; \
+         read_uncommitted: high {} lag {}",
+        lags[0].high,
+        lags[0].committed,
+        lags[0].lag(),
+        raw[0].high,
+        raw[0].lag()
+    );
+    // LSO = the open transaction's first offset (11); the high watermark is past its record.
+    assert_eq!(position, 11, "the position skips the commit marker");
+    assert_eq!(lags[0].high, 11, "last stable offset");
+    assert_eq!(raw[0].high, 12, "high watermark");
+    assert_eq!(lags[0].committed, Some(position));
+    assert_eq!(lags[0].lag(), 11 - position);
+    assert!(raw[0].lag() > lags[0].lag());
+    // The commit marker is below the LSO: it is lag at both levels for a group that commits
+    // past its last record (10) rather than its position (librdkafka's position skips the
+    // marker: 11, as asserted above).
+    commit(&consumer, &topic, &[(0, 10, "")]);
+    let lags = Connection::plain(&brokers())
+        .read_lag(&group, &topic)
+        .await
+        .unwrap();
+    let raw = lag::read_with(&uncommitted, &topic, t).unwrap();
+    assert_eq!((lags[0].lag(), raw[0].lag()), (1, 2));
+    producer.abort_transaction(t).unwrap();
+}

@@ -124,7 +124,7 @@ pub fn check_in_flight_cap(cap: usize) -> Result<(), EosConfigError> {
 /// completed-offset map always fits the commit metadata, and a transaction timeout that
 /// outlasts the longest a transaction stays open. Nothing for an at-least-once stage.
 pub fn check_stage(config: &StageConfig) -> Result<(), ConfigError> {
-    if config.delivery != Delivery::ExactlyOnce {
+    if config.settings.delivery() != Delivery::ExactlyOnce {
         return Ok(());
     }
     if config.rebalance.strategy == RebalanceStrategy::Consumer {
@@ -323,7 +323,7 @@ mod tests {
         const MINIMAL: &str =
             "brokers: b:9092\nstage: s\ninput: in\ndlq: dead\nhandler:\n  builtin: {}\n";
         let stage = |extra: &str| StageConfig::from_yaml(&format!("{MINIMAL}{extra}")).unwrap();
-        assert_eq!(stage("").delivery, Delivery::AtLeastOnce);
+        assert_eq!(stage("").settings.delivery(), Delivery::AtLeastOnce);
         assert_eq!(check_stage(&stage("delivery: exactlyOnce\n")), Ok(()));
         assert_eq!(
             StageConfig::from_yaml(&format!("{MINIMAL}delivery: exactly\n"))

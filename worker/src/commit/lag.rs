@@ -1,5 +1,12 @@
 //! Consumer lag as the broker sees it: high watermark minus committed offset, per partition.
 //!
+//! The "high watermark" is the **last stable offset**: every reader's client sets
+//! `isolation.level=read_committed`, and librdkafka's `ListOffsets` (what `fetch_watermarks`
+//! sends) carries the client's isolation level, so the broker answers with the LSO: an open
+//! transaction's records (which a `read_committed` group cannot take yet) never count as lag.
+//! (The default of librdkafka is `read_committed` too; set here so that no passed-through
+//! property turns it off.)
+//!
 //! Read from the broker, not from the worker's fetch position, so it stays true while a
 //! partition is held for backpressure (a held partition takes nothing in, yet its lag grows).
 //! A partition without a committed offset counts from its low watermark: with
@@ -86,6 +93,7 @@ pub fn read(
         .base()
         .set("group.id", group)
         .set("enable.auto.commit", "false")
+        .set("isolation.level", "read_committed")
         .create()?;
     read_with(&consumer, topic, timeout)
 }
@@ -167,6 +175,7 @@ impl LagReader {
             .base()
             .set("group.id", group)
             .set("enable.auto.commit", "false")
+            .set("isolation.level", "read_committed")
             .create()?;
         Ok(Self {
             consumer: Arc::new(consumer),
@@ -295,7 +304,8 @@ impl LagReporter {
             ClientSettings::with_properties(self.brokers.clone(), self.kafka.clone()).base();
         config
             .set("group.id", &self.group)
-            .set("enable.auto.commit", "false");
+            .set("enable.auto.commit", "false")
+            .set("isolation.level", "read_committed");
         config
     }
 

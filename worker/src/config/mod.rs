@@ -39,7 +39,7 @@ pub struct StageConfig {
     /// What processes a record.
     pub handler: HandlerConfig,
     /// The settings a pipeline may also set for all its stages (`session`, `retry`, `stuck`,
-    /// `commitIntervalMs`, `shutdownTimeoutMs`), at this level of the file.
+    /// `commitIntervalMs`, `shutdownTimeoutMs`, `delivery`), at this level of the file.
     #[serde(flatten)]
     pub settings: StageSettings,
     /// How partitions move between workers of the group.
@@ -93,10 +93,6 @@ pub struct StageConfig {
     /// Extra librdkafka properties for the consumer and the producers, passed through.
     #[serde(default)]
     pub kafka: BTreeMap<String, String>,
-    /// `atLeastOnce` (the default) or `exactlyOnce`: outputs, dead letters and the input
-    /// offsets in one Kafka transaction per input partition (docs/exactly-once.md).
-    #[serde(default)]
-    pub delivery: Delivery,
 }
 
 /// How a stage's results reach Kafka.
@@ -147,6 +143,11 @@ pub struct StageSettings {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
     pub shutdown_timeout_ms: Option<u64>,
+    /// `atLeastOnce` (the default) or `exactlyOnce`: outputs, dead letters and the input
+    /// offsets in one Kafka transaction per input partition (docs/exactly-once.md). On a stage
+    /// it overrides `spec.delivery`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delivery: Option<Delivery>,
 }
 
 impl StageSettings {
@@ -159,6 +160,7 @@ impl StageSettings {
             stuck,
             commit_interval_ms,
             shutdown_timeout_ms,
+            delivery,
         } = self;
         StageSettings {
             session: session.clone().or_else(|| defaults.session.clone()),
@@ -166,6 +168,7 @@ impl StageSettings {
             stuck: stuck.or(defaults.stuck),
             commit_interval_ms: commit_interval_ms.or(defaults.commit_interval_ms),
             shutdown_timeout_ms: shutdown_timeout_ms.or(defaults.shutdown_timeout_ms),
+            delivery: delivery.or(defaults.delivery),
         }
     }
 
@@ -177,6 +180,7 @@ impl StageSettings {
             stuck: Some(StuckConfig::default()),
             commit_interval_ms: Some(defaults::commit_interval_ms()),
             shutdown_timeout_ms: Some(defaults::shutdown_timeout_ms()),
+            delivery: Some(Delivery::default()),
         }
     }
 
@@ -193,6 +197,11 @@ impl StageSettings {
     /// The stuck-record policy, the default if unset.
     pub fn stuck(&self) -> StuckConfig {
         self.stuck.unwrap_or_default()
+    }
+
+    /// How results reach Kafka, `atLeastOnce` if unset.
+    pub fn delivery(&self) -> Delivery {
+        self.delivery.unwrap_or_default()
     }
 
     /// The commit interval, the default if unset.

@@ -209,6 +209,7 @@ fn settings_are_laid_over_their_defaults_field_by_field() {
             ..RetryConfig::default()
         }),
         commit_interval_ms: Some(250),
+        delivery: Some(Delivery::AtLeastOnce),
         ..StageSettings::default()
     };
     let pipeline = StageSettings {
@@ -217,6 +218,7 @@ fn settings_are_laid_over_their_defaults_field_by_field() {
             ..RetryConfig::default()
         }),
         shutdown_timeout_ms: Some(45_000),
+        delivery: Some(Delivery::ExactlyOnce),
         ..StageSettings::default()
     };
     let merged = stage
@@ -227,6 +229,15 @@ fn settings_are_laid_over_their_defaults_field_by_field() {
     assert_eq!(merged.shutdown_timeout_ms, Some(45_000));
     assert_eq!(merged.session, Some(SessionSource::Key));
     assert_eq!(merged.stuck, Some(StuckConfig::default()));
+    assert_eq!(merged.delivery(), Delivery::AtLeastOnce);
+    assert_eq!(
+        StageSettings::default()
+            .over(&pipeline)
+            .over(&StageSettings::worker_defaults())
+            .delivery(),
+        Delivery::ExactlyOnce
+    );
+    assert_eq!(StageSettings::default().delivery(), Delivery::AtLeastOnce);
     assert_eq!(
         StageSettings::default().over(&StageSettings::worker_defaults()),
         StageSettings::worker_defaults()
