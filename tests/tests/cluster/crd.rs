@@ -28,13 +28,26 @@ async fn a_plain_kubectl_apply_installs_the_crd() {
     let Some(kubeconfig) = admin_kubeconfig() else {
         return;
     };
-    let out = Command::new(kubectl())
-        .arg("--kubeconfig")
-        .arg(&kubeconfig)
-        .args(["apply", "-f"])
-        .arg(repo_path("crds"))
-        .output()
-        .expect("kubectl runs");
+    // The other tests of the tier apply the CRD too (server-side), at the same moment on a
+    // fresh cluster: kubectl's get-then-create can meet their create (AlreadyExists) or their
+    // update (a conflict). Apply is idempotent: try again, a few times.
+    let apply = || {
+        Command::new(kubectl())
+            .arg("--kubeconfig")
+            .arg(&kubeconfig)
+            .args(["apply", "-f"])
+            .arg(repo_path("crds"))
+            .output()
+            .expect("kubectl runs")
+    };
+    let mut out = apply();
+    for _ in 0..5 {
+        if out.status.success() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        out = apply();
+    }
     assert!(
         out.status.success(),
         "kubectl apply -f crds/ failed: {}{}",
