@@ -200,12 +200,15 @@ impl<T, K> Receiver<T, K> {
     }
 
     /// Called when `recv` ended: `Ok` when this end is done, having left `kept` for the sender and
-    /// detached (the sender still asks it to hibernate and nothing is queued), or because the
-    /// sender is gone; otherwise `kept` comes back (a record came meanwhile: take it). A detached
+    /// detached (the sender still asks it to hibernate, or is gone, and nothing is queued);
+    /// otherwise `kept` comes back (a record came meanwhile: take it). A detached
     /// receiver takes nothing more: later sends come back to the sender.
     pub fn hibernate(&mut self, kept: K) -> Result<(), K> {
         let mut state = tell_finished(&self.shared, &mut self.finished);
-        if state.sender && (!state.hibernate || !state.queue.is_empty() || !self.taken.is_empty()) {
+        // Never with records left behind: the sender may have sent some after `recv` ended
+        // and then gone (its end dropped), and those must still be taken (or released).
+        let left = !state.queue.is_empty() || !self.taken.is_empty();
+        if left || (state.sender && !state.hibernate) {
             return Err(kept);
         }
         state.receiver = false;
@@ -388,6 +391,26 @@ mod tests {
         assert_eq!(rx.try_recv(), None, "waits for the next record");
         assert_eq!(rx.hibernate("memory"), Err("memory"));
         assert_eq!(tx.hibernated(), None);
+    }
+
+    /// The race `hibernation_loses_nothing_and_hands_the_memory_on` found under load: `recv`
+    /// ended on the ask, then the sender sent and went away before `hibernate`. The record is
+    /// still taken, not dropped with the receiver.
+    #[tokio::test]
+    async fn a_record_sent_just_before_the_sender_left_is_taken_before_hibernating() {
+        let (tx, mut rx) = mailbox::<_, &str>();
+        tx.ask_to_hibernate();
+        assert_eq!(rx.recv().await, None);
+        tx.send(1).unwrap();
+        drop(tx);
+        assert_eq!(
+            rx.hibernate("memory"),
+            Err("memory"),
+            "a record is left: take it"
+        );
+        assert_eq!(rx.recv().await, Some(1));
+        assert_eq!(rx.recv().await, None, "the sender is gone");
+        assert_eq!(rx.hibernate("memory"), Ok(()));
     }
 
     #[tokio::test]
