@@ -32,6 +32,7 @@ use std::time::Duration;
 
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::KafkaResult;
 use rdkafka::{Offset, TopicPartitionList};
 
 use crate::commit::offset_map;
@@ -88,14 +89,19 @@ pub fn read(
     topic: &str,
     timeout: Duration,
 ) -> anyhow::Result<Vec<PartitionLag>> {
-    let consumer: BaseConsumer = kafka
-        .into()
+    read_with(&lag_client(kafka.into(), group)?, topic, timeout)
+}
+
+/// A client that reads `group`'s committed offsets and the partitions' last stable offsets
+/// (`read_committed`: transaction markers and open transactions are not lag). Made without
+/// reaching a broker.
+fn lag_client(kafka: ClientSettings, group: &str) -> KafkaResult<BaseConsumer> {
+    kafka
         .base()
         .set("group.id", group)
         .set("enable.auto.commit", "false")
         .set("isolation.level", "read_committed")
-        .create()?;
-    read_with(&consumer, topic, timeout)
+        .create()
 }
 
 /// Like [`read`], with an existing client whose `group.id` is the group to inspect.
@@ -170,13 +176,7 @@ impl Drop for Busy {
 impl LagReader {
     /// A reader of `group`'s lag over `kafka`'s connection (made without reaching a broker).
     pub fn new(kafka: impl Into<ClientSettings>, group: &str) -> anyhow::Result<Self> {
-        let consumer = kafka
-            .into()
-            .base()
-            .set("group.id", group)
-            .set("enable.auto.commit", "false")
-            .set("isolation.level", "read_committed")
-            .create()?;
+        let consumer = lag_client(kafka.into(), group)?;
         Ok(Self {
             consumer: Arc::new(consumer),
             busy: Arc::default(),
