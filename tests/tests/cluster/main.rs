@@ -3,12 +3,14 @@
 //! kube-controller-manager (garbage collector, Deployment and ReplicaSet controllers),
 //! kube-scheduler and kwok (fake nodes whose pods become Running and Ready).
 //!
-//! Each test works in a namespace of its own: it installs the chart's ServiceAccount and RBAC
-//! there (`helm template` of charts/sessionflow with `watchNamespace` = that namespace), makes
-//! a token for the ServiceAccount (TokenRequest), and runs `sessionflow-operator run` as a
-//! process with a kubeconfig holding only that token, so that the chart's RBAC, not the test's
-//! admin rights, decides what the operator may do. The namespace (and the Kafka topics the
-//! operator created) are deleted at the end, whether the test passed or not.
+//! Each test works in a namespace of its own: it `helm install`s charts/sessionflow there
+//! (release `sf`, `watchNamespace` = that namespace: ServiceAccount, Roles, RoleBindings, the
+//! operator's Deployment and Service), makes a token for the release's ServiceAccount
+//! (TokenRequest), and runs `sessionflow-operator run` as a process with a kubeconfig holding
+//! only that token, so that the chart's RBAC, not the test's admin rights, decides what the
+//! operator may do. (kwok makes the chart's own operator pod Running without running anything:
+//! there is no image to run here.) The namespace (and the Kafka topics the operator created)
+//! are deleted at the end, whether the test passed or not.
 //!
 //! The cluster: `SESSIONFLOW_CLUSTER_KUBECONFIG` names its admin kubeconfig
 //! (`scripts/cluster.sh start` prints it; `scripts/with-cluster.sh` exports it). Unset: the
@@ -19,8 +21,10 @@
 //!
 //! Every wait polls against a generous deadline; no test asserts how long anything took.
 
+mod autoscale;
 mod crd;
 mod gc;
+mod helm;
 mod leader;
 mod reconcile;
 
@@ -34,21 +38,22 @@ use futures::FutureExt;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
-use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_openapi::api::rbac::v1::RoleBinding;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use k8s_openapi::NamespaceResourceScope;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::wait::{await_condition, conditions};
-use kube::{Client, Config, Resource};
-use serde::de::DeserializeOwned;
-use serde::Serialize;
+use kube::{Client, Config, ResourceExt};
 use serde_json::{json, Value};
 use sessionflow_operator::crd::{SessionPipeline, CRD_NAME};
 use sessionflow_operator::render::PIPELINE_LABEL;
 use sessionflow_tests::{unique, workspace_binary};
 
 const MANAGER: &str = "sessionflow-tests";
+/// The helm release of every test (one per namespace).
+pub const RELEASE: &str = "sf";
+/// The label helm's chart puts on every object of a release, naming it.
+pub const INSTANCE_LABEL: &str = "app.kubernetes.io/instance";
 /// How long anything the cluster or the operator does may take before a test gives up: far
 /// above what it takes (seconds), on a shared 2-core machine. `SESSIONFLOW_CLUSTER_PATIENCE_SECS`
 /// overrides it (e.g. shorter, to see a broken operator fail sooner).
@@ -170,7 +175,7 @@ impl Env {
         // Leaked: the test's futures borrow it for their whole life; one per test process.
         let env: &'static Env = Box::leak(Box::new(Env::create(client, name).await));
         let outcome = AssertUnwindSafe(async {
-            env.install_chart_rbac().await;
+            env.install_chart().await;
             test(env).await
         })
         .catch_unwind()
@@ -218,62 +223,46 @@ impl Env {
         }
     }
 
-    /// `helm template` of the chart (ServiceAccount, Role and RoleBinding for this namespace,
-    /// the leader-election Role), created in the namespace; then a token of the
+    /// `helm install` of the chart as release [`RELEASE`] in the namespace, watching it only
+    /// (`--skip-crds`: [`install_crd`] installed the CRD; helm would skip it anyway once it
+    /// exists, and tests run concurrently). kwok fakes the chart's operator pod (Running, no
+    /// process); the test runs the operator as a process instead, with a token of the release's
     /// ServiceAccount written into the operator's kubeconfig.
-    async fn install_chart_rbac(&self) {
+    async fn install_chart(&self) {
         let ns = &self.namespace;
-        let out = Command::new(helm())
-            .args(["template", "sf"])
+        self.helm(&["install", RELEASE])
             .arg(repo_path("charts/sessionflow"))
-            .args(["--namespace", ns, "--set"])
+            .args(["--skip-crds", "--set"])
             .arg(format!("watchNamespace={ns}"))
+            // One fake operator pod is enough; leader election keeps the lease Role.
             .args([
                 "--set",
                 "leaderElection.enabled=true",
-                "--show-only",
-                "templates/serviceaccount.yaml",
-                "--show-only",
-                "templates/rbac.yaml",
+                "--set",
+                "replicas=1",
             ])
-            .output()
-            .unwrap_or_else(|e| {
-                panic!(
-                    "helm ({}) does not run: {e}; scripts/chart-check.sh installs it",
-                    helm().display()
-                )
-            });
-        assert!(
-            out.status.success(),
-            "helm template failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let rendered = String::from_utf8(out.stdout).unwrap();
-        let mut account = None;
-        let mut kinds = Vec::new();
-        for doc in rendered.split("\n---") {
-            let object = yaml(doc);
-            if object.is_null() {
-                continue;
-            }
-            let kind = object["kind"].as_str().expect("kind").to_string();
-            match kind.as_str() {
-                "ServiceAccount" => {
-                    account = Some(object["metadata"]["name"].as_str().unwrap().to_string());
-                    self.create_object::<ServiceAccount>(object).await
-                }
-                "Role" => self.create_object::<Role>(object).await,
-                "RoleBinding" => self.create_object::<RoleBinding>(object).await,
-                other => panic!("the chart with watchNamespace renders a {other}"),
-            }
-            kinds.push(kind);
-        }
+            .run("helm install");
+        let release = ListParams::default().labels(&format!("{INSTANCE_LABEL}={RELEASE}"));
+        let accounts = Api::<ServiceAccount>::namespaced(self.client.clone(), ns)
+            .list(&release)
+            .await
+            .expect("list ServiceAccounts")
+            .items;
+        let [account] = &accounts[..] else {
+            panic!("the release has {} ServiceAccounts", accounts.len());
+        };
+        let account = account.name_any();
+        let bindings = Api::<RoleBinding>::namespaced(self.client.clone(), ns)
+            .list(&release)
+            .await
+            .expect("list RoleBindings")
+            .items;
         assert_eq!(
-            kinds.iter().filter(|k| *k == "RoleBinding").count(),
+            bindings.len(),
             2,
-            "operator and leader-election bindings: {kinds:?}"
+            "operator and leader-election bindings: {:?}",
+            bindings.iter().map(|b| b.name_any()).collect::<Vec<_>>()
         );
-        let account = account.expect("the chart renders a ServiceAccount");
         let token = Api::<ServiceAccount>::namespaced(self.client.clone(), ns)
             .create_token_request(
                 &account,
@@ -311,21 +300,20 @@ impl Env {
         std::fs::write(&self.operator_kubeconfig, kubeconfig.to_string()).unwrap();
     }
 
-    async fn create_object<K>(&self, mut object: Value)
-    where
-        K: Resource<Scope = NamespaceResourceScope>
-            + Clone
-            + DeserializeOwned
-            + Serialize
-            + std::fmt::Debug,
-        K::DynamicType: Default,
-    {
-        object["metadata"]["namespace"] = json!(self.namespace);
-        let typed: K = serde_json::from_value(object).expect("a chart object");
-        Api::<K>::namespaced(self.client.clone(), &self.namespace)
-            .create(&PostParams::default(), &typed)
-            .await
-            .expect("chart object created");
+    /// A helm command on the cluster (admin kubeconfig) in this test's namespace.
+    pub fn helm(&self, args: &[&str]) -> Helm {
+        let mut command = Command::new(helm());
+        command
+            .args(args)
+            .arg("--kubeconfig")
+            .arg(admin_kubeconfig().expect("a cluster"))
+            .args(["--namespace", &self.namespace]);
+        Helm(command)
+    }
+
+    /// The operator's kubeconfig (the ServiceAccount's token).
+    pub fn operator_kubeconfig(&self) -> &Path {
+        &self.operator_kubeconfig
     }
 
     async fn cleanup(&self) {
@@ -453,6 +441,41 @@ impl Env {
             )
             .await
             .expect("scaled by hand");
+    }
+}
+
+/// A helm command line ([`Env::helm`]).
+pub struct Helm(Command);
+
+impl Helm {
+    pub fn arg(mut self, arg: impl AsRef<std::ffi::OsStr>) -> Self {
+        self.0.arg(arg);
+        self
+    }
+
+    pub fn args<I, S>(mut self, args: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<std::ffi::OsStr>,
+    {
+        self.0.args(args);
+        self
+    }
+
+    /// Runs it; panics (naming `what` and helm's stderr) unless it succeeds; its stdout.
+    pub fn run(mut self, what: &str) -> String {
+        let out = self.0.output().unwrap_or_else(|e| {
+            panic!(
+                "helm ({}) does not run: {e}; scripts/chart-check.sh installs it",
+                helm().display()
+            )
+        });
+        assert!(
+            out.status.success(),
+            "{what} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
     }
 }
 
