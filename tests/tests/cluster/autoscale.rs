@@ -18,6 +18,8 @@ use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
 use kube::api::{Patch, PatchParams};
+use rdkafka::admin::{AdminClient, AdminOptions};
+use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
@@ -102,6 +104,19 @@ async fn commit_to_end(group: &str, topic: &str) {
     })
     .await
     .unwrap();
+}
+
+/// Deletes the group the test committed for (it has no members), best effort: the namespace's
+/// cleanup deletes the topics, not the broker's groups.
+async fn delete_group(group: &str) {
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .expect("admin client");
+    let options = AdminOptions::new().request_timeout(Some(Duration::from_secs(30)));
+    if let Err(e) = admin.delete_groups(&[group], &options).await {
+        eprintln!("deleting group {group}: {e}");
+    }
 }
 
 fn replicas(d: &Deployment) -> Option<i32> {
@@ -223,6 +238,7 @@ async fn a_backlog_scales_a_stage_up_and_its_drain_back_down() {
             reason.contains("below 10 per replica for the whole stabilization window"),
             "scaled down for another reason: {reason}"
         );
+        delete_group(&group).await;
     })
     .await;
 }
