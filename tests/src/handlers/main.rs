@@ -44,9 +44,7 @@ async fn main() {
         }
     }
     let listen = listen.unwrap_or_else(|| usage());
-    let app = Router::new()
-        .fallback(handle)
-        .with_state(Arc::new(latency));
+    let app = Router::new().fallback(handle).with_state(Arc::new(latency));
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
         .unwrap_or_else(|e| panic!("binding {listen}: {e}"));

@@ -59,7 +59,10 @@ impl PortMap {
     pub fn rewrite(&self, text: &str) -> String {
         let mut out = text.to_string();
         for (container, host, _) in &self.ports {
-            out = out.replace(&format!("0.0.0.0:{container}"), &format!("127.0.0.1:{host}"));
+            out = out.replace(
+                &format!("0.0.0.0:{container}"),
+                &format!("127.0.0.1:{host}"),
+            );
         }
         out
     }
@@ -147,7 +150,10 @@ impl LocalContainer {
                 None
             };
             for (k, v) in source.into_iter().flatten() {
-                env.push((format!("{prefix}{k}"), String::from_utf8_lossy(v).into_owned()));
+                env.push((
+                    format!("{prefix}{k}"),
+                    String::from_utf8_lossy(v).into_owned(),
+                ));
             }
         }
         for e in container.env.iter().flatten() {
@@ -216,27 +222,7 @@ fn env_source(
         }
     };
     if let Some(f) = &from.field_ref {
-        let meta = &pod.metadata;
-        let spec = pod.spec.as_ref();
-        return Ok(match f.field_path.as_str() {
-            "metadata.name" => meta.name.clone().unwrap_or_default(),
-            "metadata.namespace" => meta.namespace.clone().unwrap_or_default(),
-            "metadata.uid" => meta.uid.clone().unwrap_or_default(),
-            "spec.nodeName" => spec.and_then(|s| s.node_name.clone()).unwrap_or_default(),
-            "spec.serviceAccountName" => spec
-                .and_then(|s| s.service_account_name.clone())
-                .unwrap_or_default(),
-            "status.podIP" | "status.hostIP" => "127.0.0.1".into(),
-            other => {
-                let label = |prefix: &str, map: &Option<BTreeMap<String, String>>| {
-                    let key = other.strip_prefix(prefix)?.strip_suffix("']")?;
-                    Some(map.as_ref()?.get(key).cloned().unwrap_or_default())
-                };
-                label("metadata.labels['", &meta.labels)
-                    .or_else(|| label("metadata.annotations['", &meta.annotations))
-                    .ok_or_else(|| format!("fieldRef {other} is not supported"))?
-            }
-        });
+        return field_value(pod, &f.field_path);
     }
     if let Some(r) = &from.config_map_key_ref {
         return key_of(&lookups.config_maps, &r.name, &r.key, r.optional);
@@ -245,6 +231,31 @@ fn env_source(
         return key_of(&lookups.secrets, &r.name, &r.key, r.optional);
     }
     Err("only fieldRef, configMapKeyRef and secretKeyRef are supported".into())
+}
+
+/// A pod field as the downward API gives it (env `fieldRef`, downwardAPI volumes).
+pub fn field_value(pod: &Pod, path: &str) -> Result<String, String> {
+    let meta = &pod.metadata;
+    let spec = pod.spec.as_ref();
+    Ok(match path {
+        "metadata.name" => meta.name.clone().unwrap_or_default(),
+        "metadata.namespace" => meta.namespace.clone().unwrap_or_default(),
+        "metadata.uid" => meta.uid.clone().unwrap_or_default(),
+        "spec.nodeName" => spec.and_then(|s| s.node_name.clone()).unwrap_or_default(),
+        "spec.serviceAccountName" => spec
+            .and_then(|s| s.service_account_name.clone())
+            .unwrap_or_default(),
+        "status.podIP" | "status.hostIP" => "127.0.0.1".into(),
+        other => {
+            let label = |prefix: &str, map: &Option<BTreeMap<String, String>>| {
+                let key = other.strip_prefix(prefix)?.strip_suffix("']")?;
+                Some(map.as_ref()?.get(key).cloned().unwrap_or_default())
+            };
+            label("metadata.labels['", &meta.labels)
+                .or_else(|| label("metadata.annotations['", &meta.annotations))
+                .ok_or_else(|| format!("fieldRef {other} is not supported"))?
+        }
+    })
 }
 
 /// The local folder of volume `name` under a pod's folder.
@@ -262,13 +273,19 @@ mod tests {
             bare_name("ghcr.io/sessionflow/sessionflow-worker:0.1.0"),
             "sessionflow-worker"
         );
-        assert_eq!(bare_name("sessionflow-worker@sha256:ab"), "sessionflow-worker");
+        assert_eq!(
+            bare_name("sessionflow-worker@sha256:ab"),
+            "sessionflow-worker"
+        );
         assert_eq!(bare_name("localhost:5000/x/y"), "y");
     }
 
     #[test]
     fn mount_paths_and_bind_addresses_are_rewritten() {
-        let mounts = vec![("/etc/sessionflow".to_string(), PathBuf::from("/tmp/p/config"))];
+        let mounts = vec![(
+            "/etc/sessionflow".to_string(),
+            PathBuf::from("/tmp/p/config"),
+        )];
         assert_eq!(
             rewrite_paths("/etc/sessionflow/stage.yaml", &mounts),
             "/tmp/p/config/stage.yaml"
@@ -277,7 +294,10 @@ mod tests {
             rewrite_paths("--config=/etc/sessionflow/stage.yaml", &mounts),
             "--config=/tmp/p/config/stage.yaml"
         );
-        assert_eq!(rewrite_paths("/etc/sessionflowx", &mounts), "/etc/sessionflowx");
+        assert_eq!(
+            rewrite_paths("/etc/sessionflowx", &mounts),
+            "/etc/sessionflowx"
+        );
         let ports = PortMap {
             ports: vec![(9090, 41000, Some("metrics".into()))],
         };

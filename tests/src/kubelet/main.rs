@@ -9,14 +9,16 @@
 //! local folders, container ports → host ports of their own), restarted when they exit, ready
 //! when their `httpGet` readiness probe answers ([`probe`]), their status reported
 //! ([`status`]). A deleted pod's processes get SIGTERM, its grace period, then SIGKILL, and the
-//! pod object is removed. On SIGTERM/SIGINT the kubelet stops every process and deletes its
+//! pod object is removed. A pod's ServiceAccount token comes as a kubeconfig (`KUBECONFIG`), so
+//! the chart's operator Deployment runs here too, with the chart's RBAC. On SIGTERM/SIGINT the kubelet stops every process and deletes its
 //! Node.
 //!
 //! ```text
 //! sessionflow-test-kubelet [--node NAME] [--dir DIR] [--entrypoint IMAGE_NAME=PATH]...
 //! ```
 //! The cluster: `KUBECONFIG` (an identity that may write nodes, leases, pods and their status,
-//! and read ConfigMaps and Secrets; scripts/cluster.sh's admin kubeconfig). The default
+//! read ConfigMaps and Secrets and request ServiceAccount tokens; scripts/cluster.sh's admin
+//! kubeconfig, which names the server and its CA inline). The default
 //! entrypoint: `sessionflow-worker` → `$SESSIONFLOW_WORKER_BIN`, else the `sessionflow-worker`
 //! beside this binary. `--dir` (default `$TMPDIR/sessionflow-test-kubelet-<node>`) holds each
 //! pod's volumes and container logs.
@@ -35,6 +37,7 @@ use std::sync::Arc;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
+use kube::config::Kubeconfig;
 use kube::runtime::watcher::{self, watcher, Event};
 use kube::{Api, Client, ResourceExt};
 
@@ -79,7 +82,8 @@ fn options() -> Result<Options, String> {
             other => return Err(format!("unknown argument {other}")),
         }
     }
-    let dir = dir.unwrap_or_else(|| std::env::temp_dir().join(format!("sessionflow-test-kubelet-{node}")));
+    let dir = dir
+        .unwrap_or_else(|| std::env::temp_dir().join(format!("sessionflow-test-kubelet-{node}")));
     Ok(Options {
         node,
         dir,
@@ -107,6 +111,7 @@ async fn main() -> ExitCode {
 
 async fn run(opts: Options) -> anyhow::Result<()> {
     let client = Client::try_default().await?;
+    let (server, ca_data) = cluster_of_kubeconfig()?;
     std::fs::create_dir_all(&opts.dir)?;
     node::register(&client, &opts.node).await?;
     println!("test-kubelet: node {} ready", opts.node);
@@ -115,6 +120,8 @@ async fn run(opts: Options) -> anyhow::Result<()> {
         client: client.clone(),
         dir: opts.dir.clone(),
         entrypoints: opts.entrypoints,
+        server,
+        ca_data,
     });
     let pods: Api<Pod> = Api::all(client.clone());
     let config = watcher::Config::default().fields(&format!("spec.nodeName={}", opts.node));
@@ -156,6 +163,32 @@ async fn run(opts: Options) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The API server's URL and CA (base64) from the kubeconfig (`KUBECONFIG`), for the pods'
+/// ServiceAccount kubeconfigs.
+fn cluster_of_kubeconfig() -> anyhow::Result<(String, String)> {
+    let kubeconfig = Kubeconfig::read()?;
+    let context = kubeconfig.current_context.clone().unwrap_or_default();
+    let cluster_name = kubeconfig
+        .contexts
+        .iter()
+        .find(|c| c.name == context)
+        .and_then(|c| Some(c.context.as_ref()?.cluster.clone()))
+        .ok_or_else(|| anyhow::anyhow!("kubeconfig: no context {context:?}"))?;
+    let cluster = kubeconfig
+        .clusters
+        .iter()
+        .find(|c| c.name == cluster_name)
+        .and_then(|c| c.cluster.clone())
+        .ok_or_else(|| anyhow::anyhow!("kubeconfig: no cluster {cluster_name:?}"))?;
+    let server = cluster.server.unwrap_or_default();
+    let ca = cluster.certificate_authority_data.unwrap_or_default();
+    anyhow::ensure!(
+        !server.is_empty() && !ca.is_empty(),
+        "kubeconfig: cluster {cluster_name:?} needs server and certificate-authority-data"
+    );
+    Ok((server, ca))
+}
+
 /// A pod added or changed: start it, or stop it once it is being deleted.
 async fn on_pod(kubelet: &Arc<Kubelet>, running: &mut HashMap<String, PodHandle>, pod: Pod) {
     let uid = pod.uid().unwrap_or_default();
@@ -168,7 +201,10 @@ async fn on_pod(kubelet: &Arc<Kubelet>, running: &mut HashMap<String, PodHandle>
     match running.get(&uid) {
         Some(h) if deleting => {
             if h.stop.borrow().is_none() {
-                eprintln!("test-kubelet: pod {} deleted; stopping it (grace {grace} s)", pod.name_any());
+                eprintln!(
+                    "test-kubelet: pod {} deleted; stopping it (grace {grace} s)",
+                    pod.name_any()
+                );
                 let _ = h.stop.send(Some(Stop::Deleted(grace)));
             }
         }
@@ -177,7 +213,11 @@ async fn on_pod(kubelet: &Arc<Kubelet>, running: &mut HashMap<String, PodHandle>
         None => {
             let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
             if !matches!(phase, Some("Succeeded" | "Failed")) {
-                eprintln!("test-kubelet: pod {}/{} bound here; starting it", pod.namespace().unwrap_or_default(), pod.name_any());
+                eprintln!(
+                    "test-kubelet: pod {}/{} bound here; starting it",
+                    pod.namespace().unwrap_or_default(),
+                    pod.name_any()
+                );
                 running.insert(uid, pod::start(kubelet.clone(), pod));
             }
         }

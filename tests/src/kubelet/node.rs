@@ -57,7 +57,11 @@ pub async fn register(client: &Client, name: &str) -> kube::Result<()> {
         },
     });
     nodes
-        .patch(name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(&node))
+        .patch(
+            name,
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(&node),
+        )
         .await?;
     heartbeat(client, name).await
 }
@@ -97,7 +101,11 @@ pub async fn heartbeat(client: &Client, name: &str) -> kube::Result<()> {
     });
     let nodes: Api<Node> = Api::all(client.clone());
     nodes
-        .patch_status(name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(&status))
+        .patch_status(
+            name,
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(&status),
+        )
         .await?;
     let lease = json!({
         "apiVersion": "coordination.k8s.io/v1",
@@ -111,7 +119,11 @@ pub async fn heartbeat(client: &Client, name: &str) -> kube::Result<()> {
     });
     let leases: Api<Lease> = Api::namespaced(client.clone(), "kube-node-lease");
     leases
-        .patch(name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(&lease))
+        .patch(
+            name,
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(&lease),
+        )
         .await?;
     Ok(())
 }

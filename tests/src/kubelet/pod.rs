@@ -14,14 +14,15 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret};
-use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
+use k8s_openapi::api::authentication::v1::TokenRequest;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, ServiceAccount};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 use tokio::process::{Child, Command};
 use tokio::sync::watch;
 
-use super::container::{volume_dir, Entrypoints, LocalContainer, Lookups, PortMap};
+use super::container::{field_value, volume_dir, Entrypoints, LocalContainer, Lookups, PortMap};
 use super::node::now;
 use super::probe;
 use super::status::{ContainerView, PodView, State};
@@ -39,6 +40,9 @@ pub struct Kubelet {
     pub client: Client,
     pub dir: PathBuf,
     pub entrypoints: Entrypoints,
+    /// The API server's URL and CA (base64 PEM), for the pods' ServiceAccount kubeconfigs.
+    pub server: String,
+    pub ca_data: String,
 }
 
 /// Why a pod's processes stop.
@@ -174,7 +178,8 @@ impl Runner {
         let grace = match stop {
             Stop::Deleted(g) | Stop::Shutdown(g) => g,
         };
-        self.terminate(Duration::from_secs(grace.max(0) as u64)).await;
+        self.terminate(Duration::from_secs(grace.max(0) as u64))
+            .await;
         if let Stop::Deleted(_) = stop {
             remove(&self.kubelet.client, &self.pod).await;
         }
@@ -197,12 +202,17 @@ impl Runner {
                 ports.ports.push((p.container_port, host, p.name.clone()));
             }
         }
+        let token = self.service_account_token().await?;
         let mut volumes = BTreeMap::new();
         for v in spec.volumes.iter().flatten() {
             let dir = volume_dir(&self.dir, &v.name);
             std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
             let files = if let Some(cm) = &v.config_map {
-                let data = lookups.config_maps.get(&cm.name).cloned().unwrap_or_default();
+                let data = lookups
+                    .config_maps
+                    .get(&cm.name)
+                    .cloned()
+                    .unwrap_or_default();
                 // A mounted ConfigMap is where a bind address is configured: its ports mapped.
                 let data = data
                     .into_iter()
@@ -218,18 +228,63 @@ impl Runner {
                 items(data, secret.items.as_deref())
             } else if v.empty_dir.is_some() {
                 Vec::new()
+            } else if let Some(projected) = &v.projected {
+                // What the ServiceAccount admission adds (kube-api-access-*): the token, the
+                // cluster's CA (ConfigMap kube-root-ca.crt) and the namespace.
+                let mut files = Vec::new();
+                for source in projected.sources.iter().flatten() {
+                    if let Some(t) = &source.service_account_token {
+                        let token = token
+                            .as_ref()
+                            .ok_or("a projected token, but no ServiceAccount")?;
+                        files.push((t.path.clone(), token.clone().into_bytes()));
+                    } else if let Some(cm) = &source.config_map {
+                        let data = lookups
+                            .config_maps
+                            .get(&cm.name)
+                            .cloned()
+                            .unwrap_or_default();
+                        files.extend(items(data, cm.items.as_deref()));
+                    } else if let Some(secret) = &source.secret {
+                        let data = lookups
+                            .secrets
+                            .get(&secret.name)
+                            .cloned()
+                            .unwrap_or_default();
+                        files.extend(items(data, secret.items.as_deref()));
+                    } else if let Some(d) = &source.downward_api {
+                        for item in d.items.iter().flatten() {
+                            let field = item
+                                .field_ref
+                                .as_ref()
+                                .ok_or("downwardAPI: only fieldRef")?;
+                            let value = field_value(&self.pod, &field.field_path)?;
+                            files.push((item.path.clone(), value.into_bytes()));
+                        }
+                    } else {
+                        return Err(format!("volume {:?}: unsupported projected source", v.name));
+                    }
+                }
+                files
             } else {
-                return Err(format!("volume {:?}: only configMap, secret and emptyDir", v.name));
+                return Err(format!(
+                    "volume {:?}: only configMap, secret, emptyDir and projected",
+                    v.name
+                ));
             };
             for (path, bytes) in files {
                 write_file(&dir.join(path), &bytes)?;
             }
             volumes.insert(v.name.clone(), dir);
         }
+        let kubeconfig = match &token {
+            Some(token) => Some(self.write_kubeconfig(token)?),
+            None => None,
+        };
         spec.containers
             .iter()
             .map(|c| {
-                LocalContainer::new(
+                let mut local = LocalContainer::new(
                     &self.pod,
                     c,
                     &volumes,
@@ -237,9 +292,80 @@ impl Runner {
                     &self.kubelet.entrypoints,
                     &lookups,
                 )
-                .map_err(|e| format!("container {:?}: {e}", c.name))
+                .map_err(|e| format!("container {:?}: {e}", c.name))?;
+                if let Some(path) = &kubeconfig {
+                    local
+                        .env
+                        .push(("KUBECONFIG".into(), path.display().to_string()));
+                }
+                Ok(local)
             })
             .collect()
+    }
+
+    /// The pod's ServiceAccount credentials, unless the pod opts out
+    /// (`automountServiceAccountToken: false`): a token bound to this pod (TokenRequest, as
+    /// the kubelet's projected volume gets it), written into a kubeconfig in the pod's folder
+    /// that `KUBECONFIG` names. A real pod finds the token at
+    /// /var/run/secrets/kubernetes.io/serviceaccount, which a local process cannot have;
+    /// clients that look for a kubeconfig first (kube-rs, client-go) then use it the same way.
+    /// The token is not renewed: it is valid for a day, longer than any test or demo.
+    async fn service_account_token(&self) -> Result<Option<String>, String> {
+        let spec = self.pod.spec.as_ref().ok_or("no spec")?;
+        if spec.automount_service_account_token == Some(false) {
+            return Ok(None);
+        }
+        let account = spec
+            .service_account_name
+            .clone()
+            .unwrap_or_else(|| "default".into());
+        let ns = self.pod.namespace().unwrap_or_default();
+        let accounts: Api<ServiceAccount> = Api::namespaced(self.kubelet.client.clone(), &ns);
+        let request: TokenRequest = serde_json::from_value(json!({
+            "spec": {
+                "audiences": [],
+                "expirationSeconds": 86400,
+                "boundObjectRef": {
+                    "apiVersion": "v1", "kind": "Pod",
+                    "name": self.pod.name_any(), "uid": self.pod.uid(),
+                },
+            },
+        }))
+        .map_err(|e| e.to_string())?;
+        let token = accounts
+            .create_token_request(&account, &PostParams::default(), &request)
+            .await
+            .map_err(|e| format!("a token of ServiceAccount {account}: {e}"))?
+            .status
+            .ok_or("TokenRequest: no status")?
+            .token;
+        Ok(Some(token))
+    }
+
+    /// The kubeconfig of [`Self::service_account_token`]'s token, in the pod's folder.
+    fn write_kubeconfig(&self, token: &str) -> Result<PathBuf, String> {
+        let spec = self.pod.spec.as_ref().ok_or("no spec")?;
+        let account = spec
+            .service_account_name
+            .clone()
+            .unwrap_or_else(|| "default".into());
+        let ns = self.pod.namespace().unwrap_or_default();
+        let kubeconfig = json!({
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{ "name": "cluster", "cluster": {
+                "server": self.kubelet.server,
+                "certificate-authority-data": self.kubelet.ca_data,
+            }}],
+            "users": [{ "name": account, "user": { "token": token } }],
+            "contexts": [{ "name": "pod", "context": {
+                "cluster": "cluster", "user": account, "namespace": ns,
+            }}],
+            "current-context": "pod",
+        });
+        let path = self.dir.join("serviceaccount.kubeconfig");
+        write_file(&path, kubeconfig.to_string().as_bytes())?;
+        Ok(path)
     }
 
     /// Every ConfigMap and Secret the pod names (volumes, env, envFrom), waited for when it does
@@ -255,6 +381,20 @@ impl Runner {
             if let Some(s) = &v.secret {
                 let name = s.secret_name.clone().unwrap_or_default();
                 secrets.push((name, s.optional == Some(true)));
+            }
+        }
+        for source in spec
+            .volumes
+            .iter()
+            .flatten()
+            .filter_map(|v| v.projected.as_ref())
+            .flat_map(|p| p.sources.iter().flatten())
+        {
+            if let Some(cm) = &source.config_map {
+                config_maps.push((cm.name.clone(), cm.optional == Some(true)));
+            }
+            if let Some(s) = &source.secret {
+                secrets.push((s.name.clone(), s.optional == Some(true)));
             }
         }
         for c in &spec.containers {
@@ -291,7 +431,12 @@ impl Runner {
                     .into_iter()
                     .map(|(k, v)| (k, v.into_bytes()))
                     .collect();
-                data.extend(cm.binary_data.unwrap_or_default().into_iter().map(|(k, v)| (k, v.0)));
+                data.extend(
+                    cm.binary_data
+                        .unwrap_or_default()
+                        .into_iter()
+                        .map(|(k, v)| (k, v.0)),
+                );
                 lookups.config_maps.insert(name, data);
             }
         }
@@ -449,7 +594,11 @@ impl Runner {
         let patch = json!({ "status": view.status() });
         match self
             .pods()
-            .patch_status(&self.pod.name_any(), &PatchParams::default(), &Patch::Merge(&patch))
+            .patch_status(
+                &self.pod.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(&patch),
+            )
             .await
         {
             Ok(_) => self.view = Some(view),
@@ -483,7 +632,11 @@ impl Runner {
         let patch = json!({ "status": view.status() });
         if let Err(e) = self
             .pods()
-            .patch_status(&self.pod.name_any(), &PatchParams::default(), &Patch::Merge(&patch))
+            .patch_status(
+                &self.pod.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(&patch),
+            )
             .await
         {
             eprintln!("test-kubelet: status of {}: {e}", self.pod.name_any());
@@ -501,7 +654,10 @@ impl Runner {
         let deadline = tokio::time::Instant::now() + grace;
         for p in &mut self.processes {
             if let Some(child) = &mut p.child {
-                if tokio::time::timeout_at(deadline, child.wait()).await.is_err() {
+                if tokio::time::timeout_at(deadline, child.wait())
+                    .await
+                    .is_err()
+                {
                     eprintln!(
                         "test-kubelet: {} container {} outlived its grace period; SIGKILL",
                         self.pod.name_any(),
@@ -518,7 +674,10 @@ impl Runner {
 /// Starts one container's process: its own process group (a Ctrl-C at the terminal reaches the
 /// kubelet, which stops it), killed if the kubelet dies, output appended to `log`.
 fn spawn(spec: &LocalContainer, dir: &Path, log: &Path) -> std::io::Result<Child> {
-    let out = std::fs::OpenOptions::new().create(true).append(true).open(log)?;
+    let out = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)?;
     let mut command = Command::new(&spec.program);
     command
         .args(&spec.args)
@@ -552,7 +711,9 @@ fn signal_of(exit: &std::process::ExitStatus) -> i32 {
 }
 
 fn free_port() -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }
 
 /// A volume's files: every key, or only the listed `items` at their paths.

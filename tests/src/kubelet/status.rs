@@ -22,10 +22,20 @@ pub struct ContainerView {
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum State {
-    Running { pid: u32, started_at: String },
+    Running {
+        pid: u32,
+        started_at: String,
+    },
     /// Not running: waiting to be (re)started, or could not be started.
-    Waiting { reason: String, message: String },
-    Terminated { code: i32, started_at: String, finished_at: String },
+    Waiting {
+        reason: String,
+        message: String,
+    },
+    Terminated {
+        code: i32,
+        started_at: String,
+        finished_at: String,
+    },
 }
 
 /// A pod as last seen.
@@ -70,9 +80,7 @@ impl PodView {
     /// The pod's `status`, for a merge patch of the status subresource.
     pub fn status(&self) -> Value {
         let ready = if self.ready { "True" } else { "False" };
-        let condition = |type_: &str, status: &str, since: &str| {
-            json!({ "type": type_, "status": status, "lastTransitionTime": since })
-        };
+        let condition = |type_: &str, status: &str, since: &str| json!({ "type": type_, "status": status, "lastTransitionTime": since });
         let containers: Vec<Value> = self.containers.iter().map(container_status).collect();
         json!({
             "phase": self.phase(),
@@ -192,7 +200,10 @@ mod tests {
         let status = view(vec![running], 2).status();
         assert_eq!(status["podIP"], "127.0.0.1");
         assert_eq!(status["containerStatuses"][0]["restartCount"], 2);
-        assert_eq!(status["containerStatuses"][0]["containerID"], "local-process://1");
+        assert_eq!(
+            status["containerStatuses"][0]["containerID"],
+            "local-process://1"
+        );
         assert_eq!(status["conditions"][3]["type"], "Ready");
     }
 }
