@@ -21,6 +21,7 @@
 
 mod crd;
 mod gc;
+mod kubelet;
 mod leader;
 mod reconcile;
 
