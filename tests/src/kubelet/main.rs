@@ -6,12 +6,13 @@
 //! `sessionflow.io/test-kubelet=true`: only pods that select and tolerate it land there; see
 //! [`node`]), keeps it Ready and its Lease renewed, watches the pods bound to it, and runs each
 //! ([`pod`]): containers as processes ([`container`]: image → local binary, mount paths →
-//! local folders, container ports → host ports of their own), restarted when they exit, ready
+//! local folders, container ports → host ports of their own; volumes and ServiceAccount
+//! credentials written as files: [`volumes`]), restarted when they exit, ready
 //! when their `httpGet` readiness probe answers ([`probe`]), their status reported
 //! ([`status`]). A deleted pod's processes get SIGTERM, its grace period, then SIGKILL, and the
 //! pod object is removed. A pod's ServiceAccount token comes as a kubeconfig (`KUBECONFIG`), so
-//! the chart's operator Deployment runs here too, with the chart's RBAC. On SIGTERM/SIGINT the kubelet stops every process and deletes its
-//! Node.
+//! the chart's operator Deployment runs here too, with the chart's RBAC. On SIGTERM/SIGINT the
+//! kubelet stops every process and deletes its Node.
 //!
 //! ```text
 //! sessionflow-test-kubelet [--node NAME] [--dir DIR] [--entrypoint IMAGE_NAME=PATH]...
@@ -29,6 +30,7 @@ mod node;
 mod pod;
 mod probe;
 mod status;
+mod volumes;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
