@@ -4,7 +4,7 @@ CARGO ?= cargo
 BROKER_PORT ?= 9092
 export BROKER_PORT
 
-.PHONY: demo test unit e2e build lint fmt clippy broker broker-stop clean
+.PHONY: demo demo-k8s test unit e2e build lint fmt clippy broker broker-stop clean
 
 ## demo: the four-stage pipeline (ingest → nlu → llm → delivery), one worker process per stage,
 ## faults at every stage, verified at the end. The broker is embedded (librdkafka's mock
@@ -16,6 +16,14 @@ BROKERS ?=
 demo:
 	DEMO_RECORDS=$(DEMO_RECORDS) DEMO_RATE=$(DEMO_RATE) DEMO_SESSIONS=$(DEMO_SESSIONS) \
 	  BROKERS=$(BROKERS) CARGO=$(CARGO) scripts/demo.sh
+
+## demo-k8s: the same pipeline on a local Kubernetes control plane (scripts/cluster.sh; built
+## once, ~10 min, Go 1.26): Apache Kafka, `helm install` of the chart, `kubectl apply` of
+## examples/k8s/conversational.yaml, the workers and the operator run as local processes by a
+## test kubelet, a burst of load, the llm stage scaled up and back down live, verified at the
+## end (scripts/demo-k8s.sh: its header lists the DEMO_K8S_* settings)
+demo-k8s:
+	CARGO=$(CARGO) scripts/demo-k8s.sh
 
 ## test: build, then unit/property tests and end-to-end tests against Apache Kafka (scripts/kafka.sh:
 ## one node on BROKER_PORT…+3, started unless one runs there; needs Java 17 and Maven) and (when

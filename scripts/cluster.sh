@@ -31,7 +31,9 @@
 # Ports (env; defaults clear of 9092-9094, 19300+, 16443, 12379, 22379 and 26443, seen in use here):
 #   CLUSTER_APISERVER_PORT 17443  CLUSTER_ETCD_PORT 17379  CLUSTER_ETCD_PEER_PORT 17380
 #   CLUSTER_KCM_PORT 17257  CLUSTER_SCHEDULER_PORT 17259  CLUSTER_KWOK_PORT 17247
-# CLUSTER_NODES (default 2): how many fake nodes (kwok-node-0 ...).
+# CLUSTER_NODES (default 2): how many fake nodes (kwok-node-0 ...). kwok manages only the nodes
+# annotated kwok.x-k8s.io/node=fake (these), and the pods bound to them: a node another process
+# registers (the test kubelet's sessionflow-local-0, tests/src/kubelet/) is left alone.
 # Certificates, kubeconfigs, pid files, logs and etcd's data live in .local/cluster/.
 set -euo pipefail
 
@@ -417,7 +419,7 @@ start() {
     --leader-elect=false
   launch kwok "$BIN/kwok" \
     --kubeconfig "$STATE/kwok.kubeconfig" --config "$ROOT/kwok-stages.yaml" \
-    --manage-all-nodes=true \
+    --manage-nodes-with-annotation-selector kwok.x-k8s.io/node=fake \
     --tls-cert-file "$PKI/kwok.crt" --tls-private-key-file "$PKI/kwok.key" \
     --node-ip 127.0.0.1 --node-name localhost --node-port "$KWOK_PORT" \
     --server-address "127.0.0.1:$KWOK_PORT" \

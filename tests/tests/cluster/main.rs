@@ -25,6 +25,7 @@ mod autoscale;
 mod crd;
 mod gc;
 mod helm;
+mod kubelet;
 mod leader;
 mod reconcile;
 
