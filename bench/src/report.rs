@@ -601,10 +601,9 @@ pub fn markdown(
          competes for the same 2 cores)\n\
          - wall time of the whole benchmark: {:.0} s ({:.1} min)\n\
          - sessionflow telemetry: {}\n\
-         - every system's consumer: `fetch.wait.max.ms` {} (nisshi's long poll does not wake \
-         when records arrive; an empty fetch is re-read after half the remaining wait, so this \
-         setting puts a floor under every system's latency — with 100 ms even the raw consumer's \
-         p50 is ~25–30 ms); prefetch: the baselines `queued.max.messages.kbytes` {} per \
+         - every system's consumer: `fetch.wait.max.ms` {} (how long the broker may hold an \
+         empty fetch; on nisshi, the broker of earlier runs, whose long poll did not wake when \
+         records arrived, it put a floor under every system's latency); prefetch: the baselines `queued.max.messages.kbytes` {} per \
          partition queue, sessionflow its default `prefetchKbytes` {} in total (shared by the \
          partitions; see *The allocator and the prefetch* in the notes); every system's queues: \
          `queued.min.messages` sessionflow's default `prefetchRecords` {} shared by the \

@@ -36,6 +36,8 @@ use tokio::sync::mpsc;
 use super::{Running, SystemSettings};
 use crate::handler::{Core, RemoteStatus};
 
+const STOP: &str = "STOP\n";
+
 /// What `bench/parallel-consumer/pom.xml` names (the report prints them).
 pub const PC_VERSION: &str = "0.5.3.3";
 pub const PC_KAFKA_CLIENTS: &str = "3.9.1";
@@ -55,7 +57,11 @@ pub fn jar_path() -> PathBuf {
 
 /// PC's `maxConcurrency` for a scenario: sessionflow's budget, one record in the handler per
 /// session and at most `max_in_flight_per_partition` records per partition.
-pub fn max_concurrency(sessions: usize, partitions: i32, max_in_flight_per_partition: usize) -> usize {
+pub fn max_concurrency(
+    sessions: usize,
+    partitions: i32,
+    max_in_flight_per_partition: usize,
+) -> usize {
     let per_partitions = usize::try_from(partitions.max(1))
         .unwrap_or(1)
         .saturating_mul(max_in_flight_per_partition);
@@ -197,13 +203,17 @@ pub async fn start(settings: &SystemSettings, core: Arc<Core>) -> anyhow::Result
             if stdin.write_all(line.as_bytes()).await.is_err() || stdin.flush().await.is_err() {
                 return;
             }
+            // The `go` closure keeps a sender for as long as the run: STOP is the last word.
+            if line == STOP {
+                return;
+            }
         }
     });
     let go_tx = tx.clone();
     Ok(Running {
         stop: Box::new(move || {
             async move {
-                let _ = tx.send("STOP\n".into());
+                let _ = tx.send(STOP.into());
                 drop(tx);
                 let _ = writer.await;
                 match tokio::time::timeout(Duration::from_secs(20), child.wait()).await {
