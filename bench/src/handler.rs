@@ -255,6 +255,19 @@ mod tests {
         }
     }
 
+    /// The Parallel Consumer's Java twin of the handler (`bench/parallel-consumer/`) checks its
+    /// own draw and histogram buckets against these same values each time it starts.
+    #[test]
+    fn the_java_twin_shares_these_draws_and_buckets() {
+        assert_eq!(draw(7, 3, 17, 2), 0.9332074446829549);
+        assert_eq!(draw(13, 9, 50_000, 1), 0.1735520976621442);
+        let buckets: Vec<usize> = [0, 127, 128, 1_000, 5_000, 123_456, 1 << 44]
+            .into_iter()
+            .map(crate::measurement::bucket_index)
+            .collect();
+        assert_eq!(buckets, [0, 127, 128, 317, 462, 760, 2_496]);
+    }
+
     #[test]
     fn draws_are_uniform_enough_and_deterministic() {
         let n = 100_000;
