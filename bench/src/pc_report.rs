@@ -33,7 +33,7 @@ pub fn section(full: &str, results_dir: &str) -> String {
         if line.starts_with('#') {
             md.push('#');
         }
-        md.push_str(&line.replace("](bench/results/", &format!("]({results_dir}/")));
+        md.push_str(&line.replace("bench/results/", &format!("{results_dir}/")));
         md.push('\n');
     }
     md.push_str(END);

@@ -86,8 +86,16 @@ pub fn healthy_quantile(m: Option<&Measured>, q: f64) -> Option<f64> {
     m.result.healthy.quantile(q, m.censored_healthy())
 }
 
+/// Two decimals; three significant digits below 0.1 (a ratio of 0.0027 is not "0.00").
 fn fmt_ratio(r: Option<f64>) -> String {
-    r.map_or("—".into(), |r| format!("{r:.2}×"))
+    match r {
+        None => "—".into(),
+        Some(r) if r > 0.0 && r < 0.1 => {
+            let decimals = (2.0 - r.log10().floor()).clamp(3.0, 9.0) as usize;
+            format!("{r:.decimals$}×")
+        }
+        Some(r) => format!("{r:.2}×"),
+    }
 }
 
 /// Thousands separators, no decimals.
@@ -538,7 +546,8 @@ fn parallel_consumer_table(outcomes: &[Outcome], md: &mut String) {
         "## sessionflow against the Parallel Consumer\n\n\
          Each cell is sessionflow's number ÷ the Parallel Consumer's (KEY ordering), from the \
          tables above: throughput above 1× is sessionflow faster; latency, CPU and RSS below 1× \
-         are sessionflow lower. CPU and RSS are of the backlog run (each system's whole \
+         are sessionflow lower; — where a percentile of PC's paced run is beyond that run's \
+         cap (it did not keep up). CPU and RSS are of the backlog run (each system's whole \
          process: the engine in this harness's child, PC in its JVM).\n\n\
          | scenario | throughput | p50 | p99 | CPU s | peak RSS |\n|---|---:|---:|---:|---:|---:|"
     );
@@ -773,6 +782,10 @@ mod tests {
         assert_eq!(fmt_ms(Some(12_345.0), 1.0), "12.3");
         assert_eq!(fmt_ms(Some(123_456.0), 1.0), "123");
         assert_eq!(fmt_ms(None, 18.0), "> 18 s");
+        assert_eq!(fmt_ratio(Some(0.8)), "0.80×");
+        assert_eq!(fmt_ratio(Some(0.0027)), "0.00270×");
+        assert_eq!(fmt_ratio(Some(0.013)), "0.0130×");
+        assert_eq!(fmt_ratio(None), "—");
     }
 
     /// P1 of a full run (`make bench`, 21:58 UTC, 1 December 2026; histograms left out) judged

@@ -274,7 +274,24 @@ public final class ParallelConsumerBench {
         System.exit(0);
     }
 
+    /** The values bench/src/handler.rs's the_java_twin_shares_these_draws_and_buckets pins. */
+    static void selfCheck() {
+        double[] draws = {draw(7, 3, 17, 2), draw(13, 9, 50_000, 1)};
+        double[] wantDraws = {0.9332074446829549, 0.1735520976621442};
+        long[] values = {0, 127, 128, 1_000, 5_000, 123_456, 1L << 44};
+        int[] wantBuckets = {0, 127, 128, 317, 462, 760, 2_496};
+        for (int i = 0; i < draws.length; i++) {
+            if (draws[i] != wantDraws[i]) throw new IllegalStateException("draw " + i + ": " + draws[i]);
+        }
+        for (int i = 0; i < values.length; i++) {
+            if (bucketIndex(values[i]) != wantBuckets[i]) {
+                throw new IllegalStateException("bucket of " + values[i] + ": " + bucketIndex(values[i]));
+            }
+        }
+    }
+
     public static void main(String[] argv) throws Exception {
+        selfCheck();
         Map<String, String> args = new HashMap<>();
         for (String a : argv) {
             int eq = a.indexOf('=');
