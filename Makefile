@@ -134,7 +134,26 @@ bench-smoke:
 	$(call bench_run,--scale 0.02 --out $(SMOKE_DIR)/BENCHMARKS.md --results-dir $(SMOKE_DIR)/results --log-dir $(SMOKE_DIR)/logs)
 	@echo "bench-smoke: report in $(SMOKE_DIR)/BENCHMARKS.md"
 
-.PHONY: callgrind
+## bench-pc: sessionflow, the per-partition sequential consumer and the Confluent Parallel
+## Consumer (KEY ordering, bench/parallel-consumer/) side by side, scenarios BENCH_PC_ONLY
+## (default p1,p2,p3,p4), on the local Apache Kafka; replaces only its own section of
+## BENCHMARKS.md (charts and results.json in bench/results/pc). Needs Java 17 and Maven (the jar
+## is built by bench-pc-jar); ~25 minutes on 2 cores (PC drains P1 slowly: 5 rounds, capped)
+BENCH_PC_ONLY ?= p1,p2,p3,p4
+BENCH_PC_SYSTEMS = sessionflow,sequential,parallel-consumer
+bench-pc: bench-pc-jar
+	$(CARGO) build --release -p sessionflow-bench
+	$(call bench_run,--only $(BENCH_PC_ONLY) --systems $(BENCH_PC_SYSTEMS) --results-dir bench/results/pc)
+
+## bench-pc-jar: the Parallel Consumer's bench main, one jar with its dependencies (mvn package;
+## Maven's cache in ~/.m2); rebuilt only when its pom or source changed. The harness does the
+## same on first use.
+PC_JAR = bench/parallel-consumer/target/sessionflow-bench-pc.jar
+bench-pc-jar: $(PC_JAR)
+$(PC_JAR): bench/parallel-consumer/pom.xml $(shell find bench/parallel-consumer/src -name '*.java')
+	cd bench/parallel-consumer && mvn -q -B package
+
+.PHONY: bench-pc bench-pc-jar callgrind
 
 ## callgrind: instructions per record of a fixed in-process workload (librdkafka's mock
 ## cluster, 50,000 records, 1,000 Zipf sessions, 8 partitions, no-op handler) under valgrind's

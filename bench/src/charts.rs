@@ -22,6 +22,7 @@ pub fn colour(kind: SystemKind) -> RGBColor {
         SystemKind::SessionflowOutput => RGBColor(44, 160, 44),
         SystemKind::Sequential => RGBColor(214, 39, 40),
         SystemKind::Pool => RGBColor(255, 127, 14),
+        SystemKind::ParallelConsumer => RGBColor(148, 103, 189),
     }
 }
 
@@ -29,11 +30,12 @@ fn throughput(m: Option<&Measured>) -> Option<f64> {
     m.and_then(|m| m.result.throughput())
 }
 
-/// Grouped bars: one group per scenario that has a ceiling run, one bar per system.
+/// Grouped bars: one group per scenario that compares systems, one bar per system that ran.
 pub fn throughput_chart(outcomes: &[Outcome], path: &Path) -> anyhow::Result<()> {
-    let groups: Vec<&Outcome> = outcomes
-        .iter()
-        .filter(|o| o.system(SystemKind::Ceiling).is_some())
+    let groups: Vec<&Outcome> = outcomes.iter().filter(|o| o.systems.len() > 1).collect();
+    let kinds: Vec<SystemKind> = SystemKind::EVERY
+        .into_iter()
+        .filter(|k| groups.iter().any(|o| o.system(*k).is_some()))
         .collect();
     let values: Vec<Vec<(SystemKind, f64)>> = groups
         .iter()
@@ -83,17 +85,17 @@ pub fn throughput_chart(outcomes: &[Outcome], path: &Path) -> anyhow::Result<()>
         .y_label_formatter(&|y| crate::report::fmt_int(*y))
         .y_desc("msg/s")
         .draw()?;
-    let width = 0.8 / SystemKind::ALL.len() as f64;
-    for (slot, kind) in SystemKind::ALL.iter().enumerate() {
+    let width = 0.8 / kinds.len().max(1) as f64;
+    for (slot, &kind) in kinds.iter().enumerate() {
         let bars: Vec<Rectangle<(f64, f64)>> = values
             .iter()
             .enumerate()
             .filter_map(|(g, vs)| {
-                let v = vs.iter().find(|(k, _)| k == kind)?.1;
+                let v = vs.iter().find(|(k, _)| *k == kind)?.1;
                 let x0 = g as f64 - 0.4 + slot as f64 * width;
                 Some(Rectangle::new(
                     [(x0, 100.0), (x0 + width * 0.9, v.max(100.0))],
-                    colour(*kind).filled(),
+                    colour(kind).filled(),
                 ))
             })
             .collect();
@@ -101,7 +103,7 @@ pub fn throughput_chart(outcomes: &[Outcome], path: &Path) -> anyhow::Result<()>
             .draw_series(bars)?
             .label(kind.label())
             .legend(move |(x, y)| {
-                Rectangle::new([(x, y - 5), (x + 12, y + 5)], colour(*kind).filled())
+                Rectangle::new([(x, y - 5), (x + 12, y + 5)], colour(kind).filled())
             });
     }
     chart

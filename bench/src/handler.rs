@@ -65,6 +65,20 @@ pub struct Core {
     load_started_us: AtomicU64,
 }
 
+/// A status line of a system measured in another process: its counters (absolute) and what its
+/// histograms gained since its previous line, as (bucket, count) pairs.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RemoteStatus {
+    pub handled: u64,
+    pub healthy_handled: u64,
+    pub attempts: u64,
+    pub first_us: Option<u64>,
+    pub last_us: Option<u64>,
+    pub order_violations: u64,
+    pub all: Vec<(usize, u64)>,
+    pub healthy: Vec<(usize, u64)>,
+}
+
 /// A snapshot of the counters.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Counts {
@@ -93,6 +107,38 @@ impl Core {
         }
     }
 
+    pub fn spec(&self) -> &HandlerSpec {
+        &self.spec
+    }
+
+    /// Sessions the order check knows (the scenario's).
+    pub fn sessions(&self) -> usize {
+        self.order.sessions()
+    }
+
+    /// What a system measured in another process reported (see `systems::parallel_consumer`):
+    /// its histograms' new counts first, then its counters, so that a record counted here is
+    /// already in the histograms when the run loop sees it.
+    pub fn absorb(&self, r: &RemoteStatus) {
+        for &(i, n) in &r.all {
+            self.all.add(i, n);
+        }
+        for &(i, n) in &r.healthy {
+            self.healthy.add(i, n);
+        }
+        if let Some(first) = r.first_us {
+            self.first_us.fetch_min(first, Ordering::AcqRel);
+        }
+        if let Some(last) = r.last_us {
+            self.last_us.fetch_max(last, Ordering::AcqRel);
+        }
+        self.order.set_violations(r.order_violations);
+        self.attempts.store(r.attempts, Ordering::Release);
+        self.healthy_handled
+            .store(r.healthy_handled, Ordering::Release);
+        self.handled.store(r.handled, Ordering::Release);
+    }
+
     pub fn set_load_started(&self, us: u64) {
         self.load_started_us.store(us, Ordering::Release);
     }
@@ -102,7 +148,7 @@ impl Core {
         self.warm.iter().all(|w| w.load(Ordering::Acquire))
     }
 
-    fn warm_up(&self, partition: i32) {
+    pub fn warm_up(&self, partition: i32) {
         if let Some(w) = self.warm.get(partition as usize) {
             w.store(true, Ordering::Release);
         }
@@ -207,6 +253,19 @@ mod tests {
             produced_us: now_us(),
             warmup: false,
         }
+    }
+
+    /// The Parallel Consumer's Java twin of the handler (`bench/parallel-consumer/`) checks its
+    /// own draw and histogram buckets against these same values each time it starts.
+    #[test]
+    fn the_java_twin_shares_these_draws_and_buckets() {
+        assert_eq!(draw(7, 3, 17, 2), 0.9332074446829549);
+        assert_eq!(draw(13, 9, 50_000, 1), 0.1735520976621442);
+        let buckets: Vec<usize> = [0, 127, 128, 1_000, 5_000, 123_456, 1 << 44]
+            .into_iter()
+            .map(crate::measurement::bucket_index)
+            .collect();
+        assert_eq!(buckets, [0, 127, 128, 317, 462, 760, 2_496]);
     }
 
     #[test]

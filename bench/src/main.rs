@@ -11,6 +11,7 @@ mod callgrind;
 mod charts;
 mod handler;
 mod measurement;
+mod pc_report;
 mod report;
 mod run;
 mod scenarios;
@@ -241,22 +242,43 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     let mut notes = std::fs::read_to_string(&cli.notes).ok();
-    if !failures.is_empty() {
-        let text = format!(
-            "## Runs that failed\n\n{}\n\n{}",
+    let notes_first_line = notes
+        .as_deref()
+        .and_then(|n| n.lines().next())
+        .map(str::to_string);
+    let failed = (!failures.is_empty()).then(|| {
+        format!(
+            "## Runs that failed\n\n{}\n\n",
             failures
                 .iter()
                 .map(|f| format!("- {f}"))
                 .collect::<Vec<_>>()
-                .join("\n"),
-            notes.unwrap_or_default()
-        );
-        notes = Some(text);
+                .join("\n")
+        )
+    });
+    if let Some(failed) = &failed {
+        notes = Some(format!("{failed}{}", notes.unwrap_or_default()));
     }
-    std::fs::write(
-        &cli.out,
-        report::markdown(&env, &outcomes, growth_md, notes.as_deref()),
-    )?;
+    let existing = std::fs::read_to_string(&cli.out).ok();
+    if cli.systems.contains(&systems::SystemKind::ParallelConsumer) {
+        // On request, not the full benchmark: its own section, the rest of the file kept.
+        let full = report::markdown(&env, &outcomes, growth_md, failed.as_deref());
+        let section = pc_report::section(&full, &cli.results_dir.display().to_string());
+        std::fs::write(
+            &cli.out,
+            pc_report::splice(
+                existing.as_deref().unwrap_or_default(),
+                &section,
+                notes_first_line.as_deref(),
+            ),
+        )?;
+    } else {
+        let fresh = report::markdown(&env, &outcomes, growth_md, notes.as_deref());
+        std::fs::write(
+            &cli.out,
+            pc_report::carry(&fresh, existing.as_deref(), notes_first_line.as_deref()),
+        )?;
+    }
     eprintln!(
         "sessionflow-bench: wrote {} in {:.0} s",
         cli.out.display(),
@@ -357,6 +379,19 @@ fn broker_description(pid: Option<u32>) -> String {
     let Some(pid) = pid else {
         return "external broker (version not known to the harness)".into();
     };
+    // Apache Kafka (scripts/kafka.sh): a JVM running kafka.Kafka from a `kafka-<version>/libs`
+    // class path.
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .unwrap_or_default();
+    if cmdline.contains("kafka.Kafka") {
+        let version = cmdline
+            .split("kafka-")
+            .skip(1)
+            .find_map(|rest| rest.split('/').next().filter(|v| v.contains('.')))
+            .unwrap_or("(version unknown)");
+        return format!("Apache Kafka {version} (pid {pid}, KRaft, one node, scripts/kafka.sh)");
+    }
     let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
     let version = exe
         .as_ref()

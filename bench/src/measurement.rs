@@ -66,6 +66,13 @@ impl Histogram {
         self.counts[bucket_index(v)].fetch_add(1, Ordering::Relaxed);
     }
 
+    /// `n` more values in bucket `i` (counts measured elsewhere); an unknown bucket is ignored.
+    pub fn add(&self, i: usize, n: u64) {
+        if let Some(c) = self.counts.get(i) {
+            c.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
     pub fn snapshot(&self) -> Hist {
         Hist {
             buckets: self
@@ -187,6 +194,15 @@ impl OrderCheck {
         }
     }
 
+    pub fn sessions(&self) -> usize {
+        self.sessions.len()
+    }
+
+    /// The count of a check made elsewhere (a system in another process checks its own order).
+    pub fn set_violations(&self, n: u64) {
+        self.violations.store(n, Ordering::Relaxed);
+    }
+
     pub fn violations(&self) -> u64 {
         self.violations.load(Ordering::Relaxed)
     }
@@ -248,6 +264,12 @@ pub struct Rss {
 
 pub fn rss() -> Rss {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    parse_status_rss(&status)
+}
+
+/// Process `pid`'s resident set size now and its peak so far (zero when it is gone).
+pub fn process_rss(pid: u32) -> Rss {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     parse_status_rss(&status)
 }
 

@@ -86,8 +86,16 @@ pub fn healthy_quantile(m: Option<&Measured>, q: f64) -> Option<f64> {
     m.result.healthy.quantile(q, m.censored_healthy())
 }
 
+/// Two decimals; three significant digits below 0.1 (a ratio of 0.0027 is not "0.00").
 fn fmt_ratio(r: Option<f64>) -> String {
-    r.map_or("—".into(), |r| format!("{r:.2}×"))
+    match r {
+        None => "—".into(),
+        Some(r) if r > 0.0 && r < 0.1 => {
+            let decimals = (2.0 - r.log10().floor()).clamp(3.0, 9.0) as usize;
+            format!("{r:.decimals$}×")
+        }
+        Some(r) => format!("{r:.2}×"),
+    }
 }
 
 /// Thousands separators, no decimals.
@@ -174,6 +182,20 @@ pub fn verdicts(outcomes: &[Outcome]) -> Vec<Verdict> {
             "P2 throughput ≥ 50 × per-partition sequential",
             fmt_ratio(r),
             r.map(|r| r >= 50.0),
+        ));
+    }
+    for id in [ScenarioId::P1, ScenarioId::P2] {
+        let Some(o) = find(id).filter(|o| o.system(SystemKind::ParallelConsumer).is_some()) else {
+            continue;
+        };
+        let r = ratio(
+            throughput(o, sf),
+            throughput(o, SystemKind::ParallelConsumer),
+        );
+        out.push(verdict(
+            format!("{id:?} throughput ≥ 1.5 × the Parallel Consumer (KEY)"),
+            fmt_ratio(r),
+            r.map(|r| r >= 1.5),
         ));
     }
     if let Some(o) = find(ScenarioId::P3) {
@@ -461,23 +483,97 @@ fn scenario_table(o: &Outcome, md: &mut String) {
 }
 
 fn ratios_table(outcomes: &[Outcome], md: &mut String) {
+    // Every system that ran beside sessionflow somewhere, in the report's order.
+    let others: Vec<SystemKind> = SystemKind::EVERY
+        .into_iter()
+        .filter(|k| !matches!(k, SystemKind::Sessionflow | SystemKind::SessionflowOutput))
+        .filter(|k| {
+            outcomes
+                .iter()
+                .any(|o| o.system(*k).is_some() && o.system(SystemKind::Sessionflow).is_some())
+        })
+        .collect();
+    if others.is_empty() {
+        return;
+    }
     let _ = writeln!(
         md,
-        "## Ratios (throughput)\n\n| scenario | sessionflow ÷ ceiling | sessionflow ÷ per-partition \
-         sequential | sessionflow ÷ flat pool |\n|---|---:|---:|---:|"
+        "## Ratios (throughput)\n\n| scenario |{}\n|---|{}",
+        others
+            .iter()
+            .map(|k| format!(" sessionflow ÷ {} |", short_label(*k)))
+            .collect::<String>(),
+        "---:|".repeat(others.len())
     );
     for o in outcomes {
-        if o.system(SystemKind::Ceiling).is_none() {
+        let sf = throughput(o, SystemKind::Sessionflow);
+        if sf.is_none() || !others.iter().any(|k| o.system(*k).is_some()) {
             continue;
         }
-        let sf = throughput(o, SystemKind::Sessionflow);
+        let cells: String = others
+            .iter()
+            .map(|k| format!(" {} |", fmt_ratio(ratio(sf, throughput(o, *k)))))
+            .collect();
+        let _ = writeln!(md, "| {:?} |{cells}", o.scenario.id);
+    }
+    md.push('\n');
+    parallel_consumer_table(outcomes, md);
+}
+
+/// A system's name in a ratio's column head.
+fn short_label(kind: SystemKind) -> &'static str {
+    match kind {
+        SystemKind::Ceiling => "ceiling",
+        SystemKind::Sequential => "per-partition sequential",
+        SystemKind::Pool => "flat pool",
+        SystemKind::ParallelConsumer => "Parallel Consumer",
+        other => other.label(),
+    }
+}
+
+/// sessionflow against the Parallel Consumer on every measure, where both ran.
+fn parallel_consumer_table(outcomes: &[Outcome], md: &mut String) {
+    let (sf, pc) = (SystemKind::Sessionflow, SystemKind::ParallelConsumer);
+    let both: Vec<&Outcome> = outcomes
+        .iter()
+        .filter(|o| o.system(sf).is_some() && o.system(pc).is_some())
+        .collect();
+    if both.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        md,
+        "## sessionflow against the Parallel Consumer\n\n\
+         Each cell is sessionflow's number ÷ the Parallel Consumer's (KEY ordering), from the \
+         tables above: throughput above 1× is sessionflow faster; latency, CPU and RSS below 1× \
+         are sessionflow lower; — where a percentile of PC's paced run is beyond that run's \
+         cap (it did not keep up). CPU and RSS are of the backlog run (each system's whole \
+         process: the engine in this harness's child, PC in its JVM).\n\n\
+         | scenario | throughput | p50 | p99 | CPU s | peak RSS |\n|---|---:|---:|---:|---:|---:|"
+    );
+    for o in both {
+        let paced = |k| o.system(k).and_then(|s| s.paced.as_ref());
+        let main = |k| {
+            o.system(k)
+                .and_then(|s| s.backlog.as_ref().or(s.paced.as_ref()))
+        };
+        let q = |q| {
+            fmt_ratio(ratio(
+                healthy_quantile(paced(sf), q),
+                healthy_quantile(paced(pc), q),
+            ))
+        };
+        let cpu = |k| main(k).map(|m| m.result.cpu_s);
+        let rss = |k| main(k).map(|m| m.result.peak_rss as f64);
         let _ = writeln!(
             md,
-            "| {:?} | {} | {} | {} |",
+            "| {:?} | {} | {} | {} | {} | {} |",
             o.scenario.id,
-            fmt_ratio(ratio(sf, throughput(o, SystemKind::Ceiling))),
-            fmt_ratio(ratio(sf, throughput(o, SystemKind::Sequential))),
-            fmt_ratio(ratio(sf, throughput(o, SystemKind::Pool))),
+            fmt_ratio(ratio(throughput(o, sf), throughput(o, pc))),
+            q(0.5),
+            q(0.99),
+            fmt_ratio(ratio(cpu(sf), cpu(pc))),
+            fmt_ratio(ratio(rss(sf), rss(pc))),
         );
     }
     md.push('\n');
@@ -514,10 +610,9 @@ pub fn markdown(
          competes for the same 2 cores)\n\
          - wall time of the whole benchmark: {:.0} s ({:.1} min)\n\
          - sessionflow telemetry: {}\n\
-         - every system's consumer: `fetch.wait.max.ms` {} (nisshi's long poll does not wake \
-         when records arrive; an empty fetch is re-read after half the remaining wait, so this \
-         setting puts a floor under every system's latency — with 100 ms even the raw consumer's \
-         p50 is ~25–30 ms); prefetch: the baselines `queued.max.messages.kbytes` {} per \
+         - every system's consumer: `fetch.wait.max.ms` {} (how long the broker may hold an \
+         empty fetch; on nisshi, the broker of earlier runs, whose long poll did not wake when \
+         records arrived, it put a floor under every system's latency); prefetch: the baselines `queued.max.messages.kbytes` {} per \
          partition queue, sessionflow its default `prefetchKbytes` {} in total (shared by the \
          partitions; see *The allocator and the prefetch* in the notes); every system's queues: \
          `queued.min.messages` sessionflow's default `prefetchRecords` {} shared by the \
@@ -587,6 +682,31 @@ pub fn markdown(
         p1_rounds = crate::scenarios::P1_ROUNDS
     ));
 
+    if outcomes
+        .iter()
+        .any(|o| o.system(SystemKind::ParallelConsumer).is_some())
+    {
+        md.push_str(&format!(
+            "- **Parallel Consumer (KEY)** (on request: `--systems …,parallel-consumer`): the \
+             Confluent Parallel Consumer {PC_VERSION} with kafka-clients {PC_KAFKA_CLIENTS} (the \
+             version it is built with), KEY ordering, its default commit mode (periodic \
+             asynchronous consumer commits, the offset map in the commit metadata) every 1 s, \
+             `fetch.max.wait.ms` as above; run by `java {heap}` (OpenJDK 17) from \
+             `bench/parallel-consumer/`. `maxConcurrency` (its worker threads) is the in-flight \
+             budget sessionflow gets in the same scenario: one record in the handler per session, \
+             at most 10,000 per partition, i.e. the scenario's sessions (1,000 in P1, P2, P4; \
+             10 in P3). The bench handler runs as its Java twin on PC's worker thread (the same \
+             order check, fault draws and histogram); P2's 5 ms of I/O is a blocking 5 ms park of \
+             that thread (`LockSupport.parkNanos`, PC's model: a blocking call in the poll \
+             function); a failed attempt throws `PCRetriableException` and PC retries it after \
+             the engine's retry delay. Its CPU s and peak RSS are the JVM's, from its start \
+             (JVM start-up and JIT compilation included; the harness's child that relays its \
+             measurements is not counted).\n",
+            heap = crate::systems::parallel_consumer::JAVA_HEAP,
+            PC_VERSION = crate::systems::parallel_consumer::PC_VERSION,
+            PC_KAFKA_CLIENTS = crate::systems::parallel_consumer::PC_KAFKA_CLIENTS,
+        ));
+    }
     if outcomes
         .iter()
         .any(|o| o.system(SystemKind::SessionflowOutput).is_some())
@@ -662,6 +782,10 @@ mod tests {
         assert_eq!(fmt_ms(Some(12_345.0), 1.0), "12.3");
         assert_eq!(fmt_ms(Some(123_456.0), 1.0), "123");
         assert_eq!(fmt_ms(None, 18.0), "> 18 s");
+        assert_eq!(fmt_ratio(Some(0.8)), "0.80×");
+        assert_eq!(fmt_ratio(Some(0.0027)), "0.00270×");
+        assert_eq!(fmt_ratio(Some(0.013)), "0.0130×");
+        assert_eq!(fmt_ratio(None), "—");
     }
 
     /// P1 of a full run (`make bench`, 21:58 UTC, 1 December 2026; histograms left out) judged

@@ -21,7 +21,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout};
 
 use crate::handler::{Core, HandlerSpec};
-use crate::measurement::{cpu_seconds, now_us, rss, Hist};
+use crate::measurement::{cpu_seconds, now_us, process_cpu_seconds, process_rss, rss, Hist};
 use crate::systems::{self, SystemKind, SystemSettings};
 
 /// How long a child waits for its first record or its warm-ups before giving up.
@@ -156,6 +156,9 @@ pub async fn child(spec: RunSpec) -> anyhow::Result<()> {
             .and_then(|v| v.parse().ok())
             .ok_or_else(|| anyhow::anyhow!("expected `GO <µs>`, got {line:?}"))?;
         core.set_load_started(started);
+        if let Some(go) = &system.go {
+            go(started);
+        }
         go = Some(Instant::now());
     }
 
@@ -186,8 +189,15 @@ pub async fn child(spec: RunSpec) -> anyhow::Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let cpu_s = cpu_seconds() - cpu0;
-    let peak = rss().peak;
+    // A system in a process of its own (the Parallel Consumer's JVM, started by `systems::start`
+    // above) is measured there, from its start; this process only relays its measurements.
+    let (cpu_s, peak) = match system.pid {
+        Some(pid) => (
+            process_cpu_seconds(pid).unwrap_or(0.0),
+            process_rss(pid).peak,
+        ),
+        None => (cpu_seconds() - cpu0, rss().peak),
+    };
 
     if let (Some(m), Some(sessions)) = (memory.as_mut(), system.sessions.as_ref()) {
         let last = Instant::now();

@@ -81,5 +81,7 @@ pub fn start(settings: &SystemSettings, core: Arc<Core>) -> anyhow::Result<Runni
             .boxed()
         }),
         sessions: None,
+        pid: None,
+        go: None,
     })
 }

@@ -15,9 +15,13 @@
 //!   in place, so a slow or failing record holds up its whole partition;
 //! - [`pool`]: the seed's first design — sessions hashed onto a fixed pool of workers, each
 //!   working through its queue one record at a time with retries inside the worker, so a
-//!   failing session holds up every session that shares its worker.
+//!   failing session holds up every session that shares its worker;
+//! - [`parallel_consumer`] (on request: `--systems …,parallel-consumer`): the Confluent Parallel
+//!   Consumer in KEY ordering, a JVM of its own that this child starts and reads its
+//!   measurements from (the one system not in the child's own process).
 
 pub mod ceiling;
+pub mod parallel_consumer;
 pub mod pool;
 pub mod sequential;
 pub mod sessionflow;
@@ -52,6 +56,9 @@ pub enum SystemKind {
     SessionflowOutput,
     Sequential,
     Pool,
+    /// The Confluent Parallel Consumer, KEY ordering (not in [`SystemKind::ALL`]: on request,
+    /// it needs Java and Maven).
+    ParallelConsumer,
 }
 
 impl SystemKind {
@@ -63,6 +70,16 @@ impl SystemKind {
         SystemKind::Pool,
     ];
 
+    /// Every system, in the order reports and charts list them.
+    pub const EVERY: [SystemKind; 6] = [
+        SystemKind::Ceiling,
+        SystemKind::Sessionflow,
+        SystemKind::SessionflowOutput,
+        SystemKind::Sequential,
+        SystemKind::Pool,
+        SystemKind::ParallelConsumer,
+    ];
+
     pub fn label(self) -> &'static str {
         match self {
             Self::Ceiling => "raw consumer (ceiling)",
@@ -70,6 +87,7 @@ impl SystemKind {
             Self::SessionflowOutput => "sessionflow + output",
             Self::Sequential => "per-partition sequential",
             Self::Pool => "flat worker pool",
+            Self::ParallelConsumer => "Parallel Consumer (KEY)",
         }
     }
 
@@ -80,16 +98,20 @@ impl SystemKind {
             Self::SessionflowOutput => "sessionflow-output",
             Self::Sequential => "sequential",
             Self::Pool => "pool",
+            Self::ParallelConsumer => "parallel-consumer",
         }
     }
 }
 
 /// The systems to run for a scenario whose own are `defaults`: sessionflow + output next to
-/// sessionflow when it is asked for (`with_output`, or named in `only`), then only those named
-/// in `only` (all when empty; `with_output` keeps sessionflow + output in).
+/// sessionflow when it is asked for (`with_output`, or named in `only`), the Parallel Consumer
+/// last when named in `only` and the scenario compares designs (its defaults have the
+/// per-partition sequential consumer: not P5's memory probe, which needs session counts), then
+/// only those named in `only` (all when empty; `with_output` keeps sessionflow + output in).
 pub fn select(defaults: &[SystemKind], only: &[SystemKind], with_output: bool) -> Vec<SystemKind> {
     let output = SystemKind::SessionflowOutput;
-    let mut systems = Vec::with_capacity(defaults.len() + 1);
+    let pc = SystemKind::ParallelConsumer;
+    let mut systems = Vec::with_capacity(defaults.len() + 2);
     for &s in defaults {
         systems.push(s);
         if s == SystemKind::Sessionflow
@@ -98,6 +120,9 @@ pub fn select(defaults: &[SystemKind], only: &[SystemKind], with_output: bool) -
         {
             systems.push(output);
         }
+    }
+    if only.contains(&pc) && defaults.contains(&SystemKind::Sequential) && !systems.contains(&pc) {
+        systems.push(pc);
     }
     if !only.is_empty() {
         systems.retain(|s| only.contains(s) || (with_output && *s == output));
@@ -216,6 +241,11 @@ pub struct Running {
     stop: Box<dyn FnOnce() -> BoxFuture<'static, ()> + Send>,
     /// Sessions known, with a task or parked, until reaped (sessionflow only).
     pub sessions: Option<Box<dyn Fn() -> i64 + Send + Sync>>,
+    /// The process the system runs in when it is not this one (the Parallel Consumer's JVM):
+    /// its CPU and RSS are the run's.
+    pub pid: Option<u32>,
+    /// Tells a system in another process when the paced load started (µs since the epoch).
+    pub go: Option<Box<dyn Fn(u64) + Send + Sync>>,
 }
 
 impl Running {
@@ -236,6 +266,7 @@ pub async fn start(
         }
         SystemKind::Sequential => sequential::start(settings, core),
         SystemKind::Pool => pool::start(settings, core),
+        SystemKind::ParallelConsumer => parallel_consumer::start(settings, core).await,
     }
 }
 
@@ -271,5 +302,25 @@ mod tests {
             vec![Sessionflow, SessionflowOutput]
         );
         assert_eq!(select(&[Pool], &[SessionflowOutput], false), vec![]);
+    }
+
+    #[test]
+    fn the_parallel_consumer_runs_only_on_request_and_never_in_the_memory_probe() {
+        let all = SystemKind::ALL;
+        assert!(!select(&all, &[], false).contains(&ParallelConsumer));
+        assert!(!select(&all, &[], true).contains(&ParallelConsumer));
+        assert_eq!(
+            select(&all, &[Sessionflow, Sequential, ParallelConsumer], false),
+            vec![Sessionflow, Sequential, ParallelConsumer]
+        );
+        assert_eq!(
+            select(&[Sessionflow, Sequential], &[ParallelConsumer], false),
+            vec![ParallelConsumer]
+        );
+        // P5 (sessionflow only, a memory probe) does not get it.
+        assert_eq!(
+            select(&[Sessionflow], &[Sessionflow, ParallelConsumer], false),
+            vec![Sessionflow]
+        );
     }
 }

@@ -131,5 +131,7 @@ pub async fn start(settings: &SystemSettings, core: Arc<Core>) -> anyhow::Result
             .boxed()
         }),
         sessions: Some(Box::new(move || metrics.sessions.get())),
+        pid: None,
+        go: None,
     })
 }
