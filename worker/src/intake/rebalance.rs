@@ -161,7 +161,7 @@ impl IntakeContext {
 
     /// The committed offsets of the newly assigned partitions, each with its completed-offset
     /// map (empty where the broker kept no metadata, or where the map cannot be trusted).
-    fn committed_maps(
+    pub(super) fn committed_maps(
         &self,
         committed: &TopicPartitionList,
     ) -> HashMap<Partition, (i64, DoneAbove)> {

@@ -11,8 +11,16 @@
 //! exclusively ([`Transactions::exclusive`]), so that every write in the transaction it commits
 //! is acknowledged and counted in the offsets it commits, and writes that come meanwhile wait
 //! for the next transaction.
+//!
+//! A transaction that can no longer commit (a write of it refused, or purged) is *doomed*: the
+//! write's settler says so ([`Transactions::doom`], naming its record), and the consumer loop
+//! aborts it and rewinds the partition (`intake::transactional`). The record an abort names is
+//! struck; one struck [`POISON_ABORTS`] times in a row is poison: its next write is a dead
+//! letter ([`Transactions::is_poisoned`]), so that one record cannot make the partition abort
+//! for ever.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -25,10 +33,57 @@ use rdkafka::TopicPartitionList;
 use tokio::sync::{OwnedRwLockReadGuard, RwLock, RwLockWriteGuard};
 
 use crate::commit::exactly_once::transactional_id;
-use crate::commit::offsets::Partition;
+use crate::commit::offsets::{Offset, Partition};
 
 /// How long a transaction call (init, offsets, commit, abort) may take.
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Consecutive aborts of a partition naming the same record after which that record is poison:
+/// its next write is a dead letter (reason `transaction-abort`) instead of its output.
+pub const POISON_ABORTS: u32 = 3;
+
+/// Why a partition's transaction was aborted (the `reason` of
+/// `sessionflow_transactions_total{result="aborted"}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AbortReason {
+    /// A write of the transaction was refused by the broker (after the client's retries).
+    Write,
+    /// The offsets or the end of the transaction were refused (`send_offsets`, `EndTxn`).
+    Commit,
+    /// Writes of the transaction were given up (purged): the membership fence, or a purge for
+    /// partitions leaving this worker.
+    Fence,
+}
+
+impl AbortReason {
+    pub const ALL: [AbortReason; 3] = [Self::Write, Self::Commit, Self::Fence];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Write => "write",
+            Self::Commit => "commit",
+            Self::Fence => "fence",
+        }
+    }
+}
+
+/// A doomed transaction: why, and the record whose write doomed it, if one did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Doom {
+    pub reason: AbortReason,
+    pub record: Option<Offset>,
+}
+
+/// What an abort naming a record makes of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strike {
+    /// Struck fewer than [`POISON_ABORTS`] times in a row (or no record named).
+    Counted(u32),
+    /// Now poison: its next write is a dead letter.
+    Poisoned,
+    /// Already poison, and its dead letter's transaction aborted too.
+    DeadLetterAborted,
+}
 
 /// A write's share of the commit barrier.
 pub type Share = OwnedRwLockReadGuard<()>;
@@ -44,6 +99,18 @@ pub struct Transactions<C: ClientContext + Clone + 'static> {
     events: C,
     producers: Mutex<HashMap<Partition, FutureProducer<C>>>,
     barrier: Arc<RwLock<()>>,
+    /// Partitions whose open transaction can no longer commit; `any_doomed` says whether there
+    /// is one without taking the lock (read every turn of the loop).
+    doomed: Mutex<HashMap<Partition, Doom>>,
+    any_doomed: AtomicBool,
+    /// Per partition, the record the last aborts named and how many in a row named it.
+    strikes: Mutex<HashMap<Partition, (Offset, u32)>>,
+    /// Records whose next write is a dead letter.
+    poisoned: Mutex<HashSet<(Partition, Offset)>>,
+}
+
+fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl<C: ClientContext + Clone + 'static> Transactions<C> {
@@ -56,11 +123,78 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
             events,
             producers: Mutex::default(),
             barrier: Arc::default(),
+            doomed: Mutex::default(),
+            any_doomed: AtomicBool::new(false),
+            strikes: Mutex::default(),
+            poisoned: Mutex::default(),
         }
     }
 
     fn producers(&self) -> std::sync::MutexGuard<'_, HashMap<Partition, FutureProducer<C>>> {
-        self.producers.lock().unwrap_or_else(|p| p.into_inner())
+        locked(&self.producers)
+    }
+
+    /// `partition`'s open transaction can no longer commit (`record`'s write was refused, or
+    /// writes were purged): the loop aborts it and rewinds the partition. The first doom of a
+    /// transaction is the one kept.
+    pub fn doom(&self, partition: Partition, reason: AbortReason, record: Option<Offset>) {
+        locked(&self.doomed)
+            .entry(partition)
+            .or_insert(Doom { reason, record });
+        self.any_doomed.store(true, Ordering::Release);
+    }
+
+    /// Whether a partition's open transaction is doomed (no lock taken).
+    pub fn any_doomed(&self) -> bool {
+        self.any_doomed.load(Ordering::Acquire)
+    }
+
+    /// The doomed partitions, taken out of the list (empty at once when there are none).
+    pub fn take_doomed(&self) -> Vec<(Partition, Doom)> {
+        if !self.any_doomed.swap(false, Ordering::AcqRel) {
+            return Vec::new();
+        }
+        locked(&self.doomed).drain().collect()
+    }
+
+    /// `partition`'s doom, taken out of the list.
+    pub fn take_doom(&self, partition: Partition) -> Option<Doom> {
+        locked(&self.doomed).remove(&partition)
+    }
+
+    /// An abort of `partition` named `record`: counts it (see [`Strike`]).
+    pub fn strike(&self, partition: Partition, record: Option<Offset>) -> Strike {
+        let Some(record) = record else {
+            return Strike::Counted(0);
+        };
+        if locked(&self.poisoned).contains(&(partition, record)) {
+            return Strike::DeadLetterAborted;
+        }
+        let mut strikes = locked(&self.strikes);
+        let entry = strikes.entry(partition).or_insert((record, 0));
+        if entry.0 != record {
+            *entry = (record, 0);
+        }
+        entry.1 += 1;
+        if entry.1 < POISON_ABORTS {
+            return Strike::Counted(entry.1);
+        }
+        strikes.remove(&partition);
+        locked(&self.poisoned).insert((partition, record));
+        Strike::Poisoned
+    }
+
+    /// Whether `record` of `partition` is poison: its write is a dead letter.
+    pub fn is_poisoned(&self, partition: Partition, record: Offset) -> bool {
+        let poisoned = locked(&self.poisoned);
+        !poisoned.is_empty() && poisoned.contains(&(partition, record))
+    }
+
+    /// `partition`'s transaction committed with its offsets up to `watermark`: the aborts
+    /// before it are no longer in a row, and poison records below it are done with.
+    pub fn committed(&self, partition: Partition, watermark: Offset) {
+        locked(&self.strikes).remove(&partition);
+        locked(&self.poisoned).retain(|(p, o)| *p != partition || *o >= watermark);
     }
 
     /// Opens `partition`'s producer: init (fencing any older owner's) and begin. Blocking.
@@ -112,9 +246,22 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
         producer.begin_transaction()
     }
 
+    /// Aborts `partition`'s open transaction and begins the next, keeping the producer (a
+    /// rewind). Call under [`Transactions::exclusive`]. Blocking.
+    pub fn abort(&self, partition: Partition) -> KafkaResult<()> {
+        let Some(producer) = self.producer(partition) else {
+            return Err(KafkaError::MessageProduction(RDKafkaErrorCode::State));
+        };
+        producer.abort_transaction(CALL_TIMEOUT)?;
+        producer.begin_transaction()
+    }
+
     /// Aborts `partition`'s open transaction (what it wrote since its last commit is never
     /// visible to read_committed readers) and closes its producer.
     pub fn abort_and_close(&self, partition: Partition) {
+        locked(&self.doomed).remove(&partition);
+        locked(&self.strikes).remove(&partition);
+        locked(&self.poisoned).retain(|(p, _)| *p != partition);
         if let Some(producer) = self.producers().remove(&partition) {
             if let Err(e) = producer.abort_transaction(CALL_TIMEOUT) {
                 tracing::warn!(partition, error = %e, "abort of the open transaction failed \
@@ -124,18 +271,19 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
     }
 
     /// Gives up every write not yet acknowledged, in every producer. Their transactions can
-    /// then no longer commit: the caller stops the worker if anything was given up (see
-    /// `StageProducer::purge`).
-    /// Returns whether anything was given up.
-    pub fn purge(&self) -> bool {
-        let mut gave_up = false;
-        for producer in self.producers().values() {
+    /// then no longer commit: each partition that had writes out is doomed (reason `fence`;
+    /// the loop aborts and rewinds it, or, if it is leaving, aborts it instead of committing).
+    pub fn purge(&self) {
+        let mut gave_up = Vec::new();
+        for (p, producer) in self.producers().iter() {
             if producer.in_flight_count() > 0 {
-                gave_up = true;
+                gave_up.push(*p);
                 producer.purge(rdkafka::producer::PurgeConfig::default().queue().inflight());
             }
         }
-        gave_up
+        for p in gave_up {
+            self.doom(p, AbortReason::Fence, None);
+        }
     }
 
     /// Closes every producer, aborting what each has open.
