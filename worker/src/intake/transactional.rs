@@ -52,6 +52,13 @@ fn is_fatal(error: &KafkaError) -> bool {
     )
 }
 
+/// Whether `doom` is of a transaction of `p` aborted already: its record's lease is older than
+/// the partition's (it was rewound since).
+fn is_stale(book: &Book, p: Partition, doom: &Doom) -> bool {
+    let lease = book.partitions.get(&p).map(|s| s.lease.epoch);
+    doom.epoch.is_some_and(|e| Some(e) != lease)
+}
+
 impl IntakeContext {
     /// Commits the transactions of `only` (all partitions when `None`); `force`: every
     /// partition not confirmed as it is (a final commit: the partitions are leaving, and one
@@ -77,7 +84,7 @@ impl IntakeContext {
         };
         let mut failed = 0;
         for p in partitions {
-            if let Some(doom) = transactions.take_doom(p) {
+            if let Some(doom) = transactions.take_doom(p).filter(|d| !is_stale(book, p, d)) {
                 // Nothing of this transaction may commit.
                 failed += book.unsettled(&[p]);
                 if force {
@@ -139,6 +146,7 @@ impl IntakeContext {
                     let doom = Doom {
                         reason: AbortReason::Commit,
                         record: None,
+                        epoch: None,
                     };
                     if !self.rewind_transaction(consumer, book, transactions, p, doom) {
                         return failed;
@@ -190,7 +198,7 @@ impl IntakeContext {
         p: Partition,
         doom: Doom,
     ) -> bool {
-        if !book.partitions.contains_key(&p) {
+        if !book.partitions.contains_key(&p) || is_stale(book, p, &doom) {
             return true;
         }
         self.count_abort(doom.reason);

@@ -37,6 +37,8 @@ use crate::commit::offsets::{Offset, Partition};
 
 /// How long a transaction call (init, offsets, commit, abort) may take.
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+/// How often a commit waiting for the barrier purges the writes of newly doomed partitions.
+const PURGE_DOOMED_EVERY: Duration = Duration::from_millis(5);
 
 /// Consecutive aborts of a partition naming the same record after which that record is poison:
 /// its next write is a dead letter (reason `transaction-abort`) instead of its output.
@@ -72,6 +74,26 @@ impl AbortReason {
 pub struct Doom {
     pub reason: AbortReason,
     pub record: Option<Offset>,
+    /// The lease epoch of the record whose write doomed it: a doom from an older lease than
+    /// the partition's is stale (the transaction it doomed was aborted already, and the
+    /// partition rewound under a new lease). `None` (a purge): the partition's transaction now.
+    pub epoch: Option<u64>,
+}
+
+impl Doom {
+    /// Whether this doom replaces `other`, both of the same partition: a purge's always does
+    /// (it dooms whatever is open now), a record's does when its lease is newer, or as new
+    /// when `other` names no record (a write refused because the transaction was doomed
+    /// already names none: the write that doomed it is the one to name).
+    fn replaces(&self, other: &Doom) -> bool {
+        match (self.epoch, other.epoch) {
+            (_, None) => false,
+            (None, Some(_)) => true,
+            (Some(new), Some(old)) => {
+                new > old || (new == old && other.record.is_none() && self.record.is_some())
+            }
+        }
+    }
 }
 
 /// What an abort naming a record makes of it.
@@ -134,13 +156,18 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
         locked(&self.producers)
     }
 
-    /// `partition`'s open transaction can no longer commit (`record`'s write was refused, or
+    /// `partition`'s open transaction can no longer commit (a record's write was refused, or
     /// writes were purged): the loop aborts it and rewinds the partition. The first doom of a
-    /// transaction is the one kept.
-    pub fn doom(&self, partition: Partition, reason: AbortReason, record: Option<Offset>) {
-        locked(&self.doomed)
-            .entry(partition)
-            .or_insert(Doom { reason, record });
+    /// transaction is the one kept (see [`Doom::replaces`]).
+    pub fn doom(&self, partition: Partition, doom: Doom) {
+        let mut doomed = locked(&self.doomed);
+        match doomed.get_mut(&partition) {
+            Some(old) if !doom.replaces(old) => {}
+            Some(old) => *old = doom,
+            None => {
+                doomed.insert(partition, doom);
+            }
+        }
         self.any_doomed.store(true, Ordering::Release);
     }
 
@@ -226,8 +253,39 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
     }
 
     /// The barrier, exclusively: waits for every write's share. Blocking; not on the runtime.
+    ///
+    /// While it waits, the producers of doomed partitions are purged (at once, and as more are
+    /// doomed): their writes cannot commit, and librdkafka would keep them — holding their
+    /// shares, so this wait — until `message.timeout.ms`. A purged write comes back and waits
+    /// for the barrier behind this (see `settle`), then finds its partition rewound.
     pub fn exclusive(&self) -> Exclusive<'_> {
-        self.barrier.blocking_write()
+        let taken = AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                while !taken.load(Ordering::Acquire) {
+                    if self.any_doomed() {
+                        self.purge_doomed();
+                    }
+                    std::thread::sleep(PURGE_DOOMED_EVERY);
+                }
+            });
+            let exclusive = self.barrier.blocking_write();
+            taken.store(true, Ordering::Release);
+            exclusive
+        })
+    }
+
+    /// Gives up the writes of the doomed partitions' producers.
+    fn purge_doomed(&self) {
+        let doomed: Vec<Partition> = locked(&self.doomed).keys().copied().collect();
+        let producers = self.producers();
+        for p in doomed {
+            if let Some(producer) = producers.get(&p) {
+                if producer.in_flight_count() > 0 {
+                    producer.purge(rdkafka::producer::PurgeConfig::default().queue().inflight());
+                }
+            }
+        }
     }
 
     /// Commits `partition`'s transaction with `offsets` (its watermark and map) and begins the
@@ -282,7 +340,12 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
             }
         }
         for p in gave_up {
-            self.doom(p, AbortReason::Fence, None);
+            let doom = Doom {
+                reason: AbortReason::Fence,
+                record: None,
+                epoch: None,
+            };
+            self.doom(p, doom);
         }
     }
 

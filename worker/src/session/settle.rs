@@ -29,12 +29,13 @@
 use std::time::Instant;
 
 use rand::Rng;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 
 use crate::ops::health::Health;
 use crate::ops::metrics::Metrics;
 use crate::ops::signal::Signal;
-use crate::output::producer::StageProducer;
-use crate::output::transactions::{AbortReason, POISON_ABORTS};
+use crate::output::producer::{StageProducer, WriteError};
+use crate::output::transactions::{AbortReason, Doom, POISON_ABORTS};
 use crate::record::DlqReason;
 use crate::record::InputRecord;
 use crate::session::retry::RetryPolicy;
@@ -244,15 +245,25 @@ impl Settler<'_> {
 
     /// `exactlyOnce`: a refused write dooms its transaction (see the module doc); true when it
     /// did, and the record is to be released (the rewind replays it).
-    fn dooms(&self, record: &InputRecord, error: &impl std::fmt::Display) -> bool {
+    fn dooms(&self, record: &InputRecord, error: &WriteError) -> bool {
         let Some(transactions) = self.producer.transactions() else {
             return false;
         };
+        // Refused at once because the transaction is doomed already: not this record's doing.
+        let innocent = matches!(
+            error,
+            WriteError::Refused(KafkaError::MessageProduction(RDKafkaErrorCode::State))
+        );
         self.metrics.produce_errors.inc();
         tracing::warn!(%error, partition = record.partition, offset = record.offset,
             session = %record.session_str(),
             "exactlyOnce: write refused; the partition's transaction is aborted and replayed");
-        transactions.doom(record.partition, AbortReason::Write, Some(record.offset));
+        let doom = Doom {
+            reason: AbortReason::Write,
+            record: (!innocent).then_some(record.offset),
+            epoch: Some(record.lease.epoch),
+        };
+        transactions.doom(record.partition, doom);
         true
     }
 
