@@ -98,6 +98,9 @@ impl IntakeContext {
             if !book.assign(p, committed.get(&p)) {
                 continue;
             }
+            if let (Some(t), Some(state)) = (self.producer.transactions(), book.partitions.get(&p)) {
+                t.since(p, state.lease.epoch);
+            }
             tracing::info!(partition = p, "partition assigned");
         }
         let prefetch = self.settings.prefetch;

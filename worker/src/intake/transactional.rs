@@ -169,11 +169,12 @@ impl IntakeContext {
         if self.fatal.is_cancelled() || !self.producer.gate().is_open() {
             return;
         }
-        let doomed = transactions.take_doomed();
-        if doomed.is_empty() {
+        if !transactions.any_doomed() {
             return;
         }
+        // The barrier first: while it waits, the doomed partitions' writes are purged.
         let _exclusive = transactions.exclusive();
+        let doomed = transactions.take_doomed();
         for (p, doom) in doomed {
             let owned = book
                 .partitions
@@ -240,8 +241,9 @@ impl IntakeContext {
         };
         if let Some(state) = book.partitions.get_mut(&p) {
             state.lease.revoke();
-            *state = PartitionState::new(lease, done_above);
+            *state = PartitionState::new(lease.clone(), done_above);
         }
+        transactions.since(p, lease.epoch);
         book.tracker.revoke(p);
         book.tracker.assign(p);
         if let (KafkaOffset::Offset(w), Some(o)) = (from, book.tracker.partition_mut(p)) {

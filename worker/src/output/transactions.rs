@@ -125,6 +125,9 @@ pub struct Transactions<C: ClientContext + Clone + 'static> {
     /// is one without taking the lock (read every turn of the loop).
     doomed: Mutex<HashMap<Partition, Doom>>,
     any_doomed: AtomicBool,
+    /// Per partition, the lease epoch of its open transaction's records: a doom from an older
+    /// lease is of a transaction aborted already, and is dropped (see [`Transactions::since`]).
+    epochs: Mutex<HashMap<Partition, u64>>,
     /// Per partition, the record the last aborts named and how many in a row named it.
     strikes: Mutex<HashMap<Partition, (Offset, u32)>>,
     /// Records whose next write is a dead letter.
@@ -147,6 +150,7 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
             barrier: Arc::default(),
             doomed: Mutex::default(),
             any_doomed: AtomicBool::new(false),
+            epochs: Mutex::default(),
             strikes: Mutex::default(),
             poisoned: Mutex::default(),
         }
@@ -160,6 +164,10 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
     /// writes were purged): the loop aborts it and rewinds the partition. The first doom of a
     /// transaction is the one kept (see [`Doom::replaces`]).
     pub fn doom(&self, partition: Partition, doom: Doom) {
+        let since = locked(&self.epochs).get(&partition).copied();
+        if doom.epoch.zip(since).is_some_and(|(e, since)| e < since) {
+            return; // of a transaction aborted already
+        }
         let mut doomed = locked(&self.doomed);
         match doomed.get_mut(&partition) {
             Some(old) if !doom.replaces(old) => {}
@@ -169,6 +177,20 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
             }
         }
         self.any_doomed.store(true, Ordering::Release);
+    }
+
+    /// `partition`'s open transaction holds the writes of records of lease `epoch` on (set when
+    /// it is assigned and when it is rewound): dooms from older leases are dropped, as are
+    /// those already noted.
+    pub fn since(&self, partition: Partition, epoch: u64) {
+        locked(&self.epochs).insert(partition, epoch);
+        let mut doomed = locked(&self.doomed);
+        if doomed
+            .get(&partition)
+            .is_some_and(|d| d.epoch.is_some_and(|e| e < epoch))
+        {
+            doomed.remove(&partition);
+        }
     }
 
     /// Whether a partition's open transaction is doomed (no lock taken).
@@ -318,6 +340,7 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
     /// visible to read_committed readers) and closes its producer.
     pub fn abort_and_close(&self, partition: Partition) {
         locked(&self.doomed).remove(&partition);
+        locked(&self.epochs).remove(&partition);
         locked(&self.strikes).remove(&partition);
         locked(&self.poisoned).retain(|(p, _)| *p != partition);
         if let Some(producer) = self.producers().remove(&partition) {
