@@ -380,3 +380,83 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use rdkafka::client::DefaultClientContext;
+
+    use super::*;
+
+    fn transactions() -> Transactions<DefaultClientContext> {
+        Transactions::new(ClientConfig::new(), "g", "t", DefaultClientContext)
+    }
+
+    fn write(record: Offset, epoch: u64) -> Doom {
+        Doom {
+            reason: AbortReason::Write,
+            record: Some(record),
+            epoch: Some(epoch),
+        }
+    }
+
+    #[test]
+    fn a_record_named_by_three_aborts_in_a_row_is_poison_until_committed() {
+        let t = transactions();
+        assert_eq!(t.strike(0, Some(5)), Strike::Counted(1));
+        assert_eq!(t.strike(0, Some(5)), Strike::Counted(2));
+        assert!(!t.is_poisoned(0, 5));
+        assert_eq!(t.strike(0, Some(5)), Strike::Poisoned);
+        assert!(t.is_poisoned(0, 5) && !t.is_poisoned(1, 5) && !t.is_poisoned(0, 6));
+        // Its dead letter's transaction aborted too: no more rounds.
+        assert_eq!(t.strike(0, Some(5)), Strike::DeadLetterAborted);
+        t.committed(0, 6);
+        assert!(!t.is_poisoned(0, 5));
+    }
+
+    #[test]
+    fn another_record_or_a_commit_between_aborts_starts_the_count_again() {
+        let t = transactions();
+        assert_eq!(t.strike(0, Some(5)), Strike::Counted(1));
+        assert_eq!(t.strike(0, Some(5)), Strike::Counted(2));
+        assert_eq!(t.strike(0, Some(7)), Strike::Counted(1));
+        assert_eq!(t.strike(0, Some(5)), Strike::Counted(1));
+        // An abort naming no record (a purge) does not break the row.
+        assert_eq!(t.strike(0, None), Strike::Counted(0));
+        assert_eq!(t.strike(0, Some(5)), Strike::Counted(2));
+        t.committed(0, 3);
+        assert_eq!(t.strike(0, Some(5)), Strike::Counted(1));
+        // Per partition.
+        assert_eq!(t.strike(1, Some(5)), Strike::Counted(1));
+    }
+
+    #[test]
+    fn the_doom_kept_names_the_write_that_doomed_the_open_transaction() {
+        let t = transactions();
+        t.since(0, 4);
+        assert!(!t.any_doomed() && t.take_doomed().is_empty());
+        // From a lease older than the open transaction's: dropped.
+        t.doom(0, write(9, 3));
+        assert!(t.take_doomed().is_empty());
+        // Refused because the transaction was doomed already (no record), then the write that
+        // doomed it: that one is named.
+        t.doom(0, Doom { record: None, ..write(0, 4) });
+        t.doom(0, write(11, 4));
+        t.doom(0, write(12, 4));
+        assert_eq!(t.take_doomed(), vec![(0, write(11, 4))]);
+        assert!(!t.any_doomed());
+        // A purge dooms whatever is open, and stays.
+        let purge = Doom {
+            reason: AbortReason::Fence,
+            record: None,
+            epoch: None,
+        };
+        t.doom(0, write(11, 4));
+        t.doom(0, purge);
+        t.doom(0, write(13, 5));
+        assert_eq!(t.take_doom(0), Some(purge));
+        // A rewind drops what was noted of the transaction it aborted.
+        t.doom(0, write(14, 5));
+        t.since(0, 6);
+        assert_eq!(t.take_doom(0), None);
+    }
+}
