@@ -394,8 +394,7 @@ async fn set_max_message_bytes(topic: &str, bytes: usize) {
         .create()
         .expect("admin");
     let bytes = bytes.to_string();
-    let change =
-        AlterConfig::new(ResourceSpecifier::Topic(topic)).set("max.message.bytes", &bytes);
+    let change = AlterConfig::new(ResourceSpecifier::Topic(topic)).set("max.message.bytes", &bytes);
     let results = admin
         .alter_configs(&[change], &AdminOptions::new())
         .await
@@ -476,7 +475,12 @@ fn read_all(
 /// whether the big record went to the DLQ.
 fn check_exactly_once(topics: &Topics, partitions: i32) -> bool {
     let total = SESSIONS * PER_SESSION;
-    let output = read_all(&topics.output, partitions, total - 1, Duration::from_secs(60));
+    let output = read_all(
+        &topics.output,
+        partitions,
+        total - 1,
+        Duration::from_secs(60),
+    );
     let dlq = read_all(&topics.dlq, 1, 0, Duration::from_secs(5));
     let short = |v: &str| v.chars().take(12).collect::<String>();
     let big = value(BIG.0, BIG.1);
@@ -541,7 +545,10 @@ async fn abort_stage(name: &str, port: u16) -> (Topics, WorkerProcess, std::path
     produce_sessions(&topics.input);
     let yaml = topics
         .stage_yaml("{latencyMs: 200, seed: 3}", "delivery: exactlyOnce")
-        .replace("metricsAddr: null", &format!("metricsAddr: 127.0.0.1:{port}"));
+        .replace(
+            "metricsAddr: null",
+            &format!("metricsAddr: 127.0.0.1:{port}"),
+        );
     // Small output batches: the topic's limit applies to a batch of records.
     let yaml = format!("{yaml}  batch.size: '8192'\n");
     let log = std::env::temp_dir().join(sessionflow_tests::unique(name) + ".log");

@@ -98,7 +98,8 @@ impl IntakeContext {
             if !book.assign(p, committed.get(&p)) {
                 continue;
             }
-            if let (Some(t), Some(state)) = (self.producer.transactions(), book.partitions.get(&p)) {
+            if let (Some(t), Some(state)) = (self.producer.transactions(), book.partitions.get(&p))
+            {
                 t.since(p, state.lease.epoch);
             }
             tracing::info!(partition = p, "partition assigned");

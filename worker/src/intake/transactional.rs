@@ -89,9 +89,12 @@ impl IntakeContext {
                 failed += book.unsettled(&[p]);
                 if force {
                     self.count_abort(doom.reason);
-                    tracing::warn!(partition = p, reason = doom.reason.as_str(),
+                    tracing::warn!(
+                        partition = p,
+                        reason = doom.reason.as_str(),
                         "leaving partition's transaction cannot commit: aborted at its close; \
-                         the next owner replays from the last commit");
+                         the next owner replays from the last commit"
+                    );
                 } else if !self.rewind_transaction(consumer, book, transactions, p, doom) {
                     return failed;
                 }
@@ -127,10 +130,13 @@ impl IntakeContext {
                 }
                 Err(e) if is_fatal(&e) => {
                     self.count_abort(AbortReason::Commit);
-                    self.stop_fatally(p, &format!(
-                        "exactlyOnce: the partition's producer is fenced or failed ({e}); the \
+                    self.stop_fatally(
+                        p,
+                        &format!(
+                            "exactlyOnce: the partition's producer is fenced or failed ({e}); the \
                          worker stops (the restart replays from the last committed transaction)"
-                    ));
+                        ),
+                    );
                     return failed;
                 }
                 Err(e) if force => {
@@ -204,18 +210,26 @@ impl IntakeContext {
         }
         self.count_abort(doom.reason);
         match transactions.strike(p, doom.record) {
-            Strike::Counted(n) => tracing::warn!(partition = p, reason = doom.reason.as_str(),
+            Strike::Counted(n) => {
+                tracing::warn!(partition = p, reason = doom.reason.as_str(),
                 record = doom.record, aborts_in_a_row = n,
-                "exactlyOnce: transaction aborted; replaying the partition from its last commit"),
-            Strike::Poisoned => tracing::warn!(partition = p, record = doom.record,
+                "exactlyOnce: transaction aborted; replaying the partition from its last commit")
+            }
+            Strike::Poisoned => tracing::warn!(
+                partition = p,
+                record = doom.record,
                 "exactlyOnce: this record's write made its partition's transactions abort \
-                 again and again: on the replay it goes to the DLQ (transaction-abort)"),
+                 again and again: on the replay it goes to the DLQ (transaction-abort)"
+            ),
             Strike::DeadLetterAborted => {
-                self.stop_fatally(p, &format!(
-                    "exactlyOnce: the dead letter of poison record {:?} aborted its \
+                self.stop_fatally(
+                    p,
+                    &format!(
+                        "exactlyOnce: the dead letter of poison record {:?} aborted its \
                      transaction too; the worker stops rather than loop",
-                    doom.record
-                ));
+                        doom.record
+                    ),
+                );
                 return false;
             }
         }
@@ -225,9 +239,12 @@ impl IntakeContext {
         let committed = match consumer.committed_offsets(tpl, COMMITTED_TIMEOUT) {
             Ok(c) => self.committed_maps(&c).remove(&p),
             Err(e) => {
-                self.stop_fatally(p, &format!(
-                    "exactlyOnce: the committed offset to rewind to could not be read ({e})"
-                ));
+                self.stop_fatally(
+                    p,
+                    &format!(
+                        "exactlyOnce: the committed offset to rewind to could not be read ({e})"
+                    ),
+                );
                 return false;
             }
         };
@@ -255,9 +272,10 @@ impl IntakeContext {
         }
         // librdkafka drops what it had fetched from before the seek (its fetch version).
         if let Err(e) = consumer.seek(&self.settings.input, p, from, COMMITTED_TIMEOUT) {
-            self.stop_fatally(p, &format!(
-                "exactlyOnce: the seek back to the last commit failed ({e})"
-            ));
+            self.stop_fatally(
+                p,
+                &format!("exactlyOnce: the seek back to the last commit failed ({e})"),
+            );
             return false;
         }
         self.metrics.in_flight.set(book.tracker.in_flight() as i64);
@@ -291,10 +309,13 @@ impl IntakeContext {
                 continue;
             }
             if let Err(e) = transactions.open(*p) {
-                self.stop_fatally(*p, &format!(
-                    "exactlyOnce: the partition's transactional producer could not be opened \
+                self.stop_fatally(
+                    *p,
+                    &format!(
+                        "exactlyOnce: the partition's transactional producer could not be opened \
                      ({e}); the worker stops"
-                ));
+                    ),
+                );
                 return false;
             }
         }

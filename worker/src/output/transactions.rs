@@ -439,7 +439,13 @@ mod tests {
         assert!(t.take_doomed().is_empty());
         // Refused because the transaction was doomed already (no record), then the write that
         // doomed it: that one is named.
-        t.doom(0, Doom { record: None, ..write(0, 4) });
+        t.doom(
+            0,
+            Doom {
+                record: None,
+                ..write(0, 4)
+            },
+        );
         t.doom(0, write(11, 4));
         t.doom(0, write(12, 4));
         assert_eq!(t.take_doomed(), vec![(0, write(11, 4))]);
