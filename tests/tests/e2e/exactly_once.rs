@@ -290,10 +290,9 @@ async fn a_frozen_exactly_once_worker_resumed_after_the_takeover_writes_nothing_
 
 /// Scale out and in while records flow, in `exactlyOnce`: every revocation commits the
 /// partition's transaction (after its drain) and closes its producer before the next owner's
-/// init; the read_committed output has every record once, in order per session. (Not with
-/// `strategy: consumer` yet: under KIP-848 a transactional offset commit can be refused with
-/// an outdated member epoch while the assignment changes, which aborts the transaction, and an
-/// abort stops the worker until the abort rewinds instead: docs/exactly-once.md, "State".)
+/// init; the read_committed output has every record once, in order per session, and no worker
+/// stops on its own (an abort rewinds its partition; under KIP-848 a transactional offset
+/// commit refused with an outdated member epoch while the assignment changes is such an abort).
 async fn scale_out_and_in_exactly_once(strategy: &str) {
     let topics = Topics::create(&format!("eos-scale-{strategy}"), 6).await;
     let total = 10_000;
@@ -318,9 +317,8 @@ async fn scale_out_and_in_exactly_once(strategy: &str) {
     .expect("three workers made progress");
     second.terminate();
     third.terminate();
-    // A transaction refused while the group rebalanced (its generation moved on) is aborted,
-    // and an abort stops the worker for now (docs/exactly-once.md, "State"): as its Deployment
-    // would, start another then. What is asserted is that nothing is written twice.
+    // A worker that stops on its own (a fenced producer still stops one) is replaced, as its
+    // Deployment would; counted, and asserted to be none.
     let mut workers = vec![first];
     let mut restarted = 0;
     let deadline = std::time::Instant::now() + Duration::from_secs(180);
@@ -354,7 +352,13 @@ async fn scale_out_and_in_exactly_once(strategy: &str) {
         total as u64,
         "{report}"
     );
+    assert_eq!(restarted, 0, "workers stopped on their own");
     topics.delete().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exactly_once_scale_out_and_in_consumer() {
+    scale_out_and_in_exactly_once("consumer").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
