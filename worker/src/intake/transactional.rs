@@ -84,7 +84,13 @@ impl IntakeContext {
         };
         let mut failed = 0;
         for p in partitions {
-            if let Some(doom) = transactions.take_doom(p).filter(|d| !is_stale(book, p, d)) {
+            // A leaving partition's doom stays: nothing of its transaction may commit, ever.
+            let doom = if force {
+                transactions.doom_of(p)
+            } else {
+                transactions.take_doom(p)
+            };
+            if let Some(doom) = doom.filter(|d| !is_stale(book, p, d)) {
                 // Nothing of this transaction may commit.
                 failed += book.unsettled(&[p]);
                 if force {

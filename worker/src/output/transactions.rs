@@ -206,6 +206,11 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
         locked(&self.doomed).drain().collect()
     }
 
+    /// `partition`'s doom, left in the list.
+    pub fn doom_of(&self, partition: Partition) -> Option<Doom> {
+        locked(&self.doomed).get(&partition).copied()
+    }
+
     /// `partition`'s doom, taken out of the list.
     pub fn take_doom(&self, partition: Partition) -> Option<Doom> {
         locked(&self.doomed).remove(&partition)
