@@ -244,10 +244,19 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
         !poisoned.is_empty() && poisoned.contains(&(partition, record))
     }
 
-    /// `partition`'s transaction committed with its offsets up to `watermark`: the aborts
-    /// before it are no longer in a row, and poison records below it are done with.
+    /// `partition`'s transaction committed with its offsets up to `watermark`: a record struck
+    /// or poison below it is done with. (A commit that does not pass the struck record — the
+    /// same watermark with a new map — does not end the row: that record is still the first
+    /// one not committed.)
     pub fn committed(&self, partition: Partition, watermark: Offset) {
-        locked(&self.strikes).remove(&partition);
+        let mut strikes = locked(&self.strikes);
+        if strikes
+            .get(&partition)
+            .is_some_and(|(record, _)| *record < watermark)
+        {
+            strikes.remove(&partition);
+        }
+        drop(strikes);
         locked(&self.poisoned).retain(|(p, o)| *p != partition || *o >= watermark);
     }
 
@@ -419,7 +428,7 @@ mod tests {
     }
 
     #[test]
-    fn another_record_or_a_commit_between_aborts_starts_the_count_again() {
+    fn another_record_or_a_commit_past_the_record_starts_the_count_again() {
         let t = transactions();
         assert_eq!(t.strike(0, Some(5)), Strike::Counted(1));
         assert_eq!(t.strike(0, Some(5)), Strike::Counted(2));
@@ -428,10 +437,14 @@ mod tests {
         // An abort naming no record (a purge) does not break the row.
         assert_eq!(t.strike(0, None), Strike::Counted(0));
         assert_eq!(t.strike(0, Some(5)), Strike::Counted(2));
-        t.committed(0, 3);
-        assert_eq!(t.strike(0, Some(5)), Strike::Counted(1));
-        // Per partition.
-        assert_eq!(t.strike(1, Some(5)), Strike::Counted(1));
+        // A commit below the record (the same watermark with a new map) does not end the row.
+        t.committed(0, 5);
+        assert_eq!(t.strike(0, Some(5)), Strike::Poisoned);
+        // Per partition; a commit past the record ends its row.
+        assert_eq!(t.strike(1, Some(8)), Strike::Counted(1));
+        assert_eq!(t.strike(1, Some(8)), Strike::Counted(2));
+        t.committed(1, 9);
+        assert_eq!(t.strike(1, Some(8)), Strike::Counted(1));
     }
 
     #[test]
