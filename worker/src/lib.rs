@@ -15,6 +15,9 @@
 //!   `session::stuck` for a handler that never returns).
 //! - **A commit**: the consumer loop commits each partition's contiguous watermark, with the
 //!   completed-offset map in the metadata ([`commit`]: `offsets`, `offset_map`, `committer`).
+//!   In `delivery: exactlyOnce`, each partition's transaction commits them with its outputs
+//!   (`intake::transactional`, `output::transactions`); a transaction that cannot commit is
+//!   aborted and its partition rewound there.
 //! - **A rebalance**: `intake::rebalance` (assign, revoke and drain, lost), on the books of
 //!   `intake::book`; no write while the coordinator may have given us up ([`group`]).
 //! - **A shutdown**: `intake::shutdown` (drain, final commit, leave the group), started by

@@ -290,10 +290,9 @@ async fn a_frozen_exactly_once_worker_resumed_after_the_takeover_writes_nothing_
 
 /// Scale out and in while records flow, in `exactlyOnce`: every revocation commits the
 /// partition's transaction (after its drain) and closes its producer before the next owner's
-/// init; the read_committed output has every record once, in order per session. (Not with
-/// `strategy: consumer` yet: under KIP-848 a transactional offset commit can be refused with
-/// an outdated member epoch while the assignment changes, which aborts the transaction, and an
-/// abort stops the worker until the abort rewinds instead: docs/exactly-once.md, "State".)
+/// init; the read_committed output has every record once, in order per session, and no worker
+/// stops on its own (an abort rewinds its partition; under KIP-848 a transactional offset
+/// commit refused with an outdated member epoch while the assignment changes is such an abort).
 async fn scale_out_and_in_exactly_once(strategy: &str) {
     let topics = Topics::create(&format!("eos-scale-{strategy}"), 6).await;
     let total = 10_000;
@@ -318,9 +317,8 @@ async fn scale_out_and_in_exactly_once(strategy: &str) {
     .expect("three workers made progress");
     second.terminate();
     third.terminate();
-    // A transaction refused while the group rebalanced (its generation moved on) is aborted,
-    // and an abort stops the worker for now (docs/exactly-once.md, "State"): as its Deployment
-    // would, start another then. What is asserted is that nothing is written twice.
+    // A worker that stops on its own (a fenced producer still stops one) is replaced, as its
+    // Deployment would; counted, and asserted to be none.
     let mut workers = vec![first];
     let mut restarted = 0;
     let deadline = std::time::Instant::now() + Duration::from_secs(180);
@@ -354,7 +352,13 @@ async fn scale_out_and_in_exactly_once(strategy: &str) {
         total as u64,
         "{report}"
     );
+    assert_eq!(restarted, 0, "workers stopped on their own");
     topics.delete().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exactly_once_scale_out_and_in_consumer() {
+    scale_out_and_in_exactly_once("consumer").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -365,4 +369,285 @@ async fn exactly_once_scale_out_and_in_cooperative() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exactly_once_scale_out_and_in_eager() {
     scale_out_and_in_exactly_once("eager").await;
+}
+
+/// Output topic limit for the abort tests: a normal output fits, the big record's does not.
+const OUTPUT_MAX_BYTES: usize = 50_000;
+/// The big record's value size.
+const BIG_BYTES: usize = 200_000;
+const SESSIONS: usize = 10;
+const PER_SESSION: usize = 30;
+/// The big record: session 3's 11th.
+const BIG: (usize, usize) = (3, 10);
+
+fn value(session: usize, i: usize) -> String {
+    let v = format!("s{session}-{i:03}");
+    if (session, i) == BIG {
+        format!("{v}-{}", "x".repeat(BIG_BYTES))
+    } else {
+        v
+    }
+}
+
+/// Sets `topic`'s `max.message.bytes`.
+async fn set_max_message_bytes(topic: &str, bytes: usize) {
+    use rdkafka::admin::{AdminClient, AdminOptions, AlterConfig, ResourceSpecifier};
+    use rdkafka::client::DefaultClientContext;
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .expect("admin");
+    let bytes = bytes.to_string();
+    let change = AlterConfig::new(ResourceSpecifier::Topic(topic)).set("max.message.bytes", &bytes);
+    let results = admin
+        .alter_configs(&[change], &AdminOptions::new())
+        .await
+        .expect("alter_configs");
+    for r in results {
+        r.expect("max.message.bytes set");
+    }
+}
+
+/// The abort tests' input: `SESSIONS` sessions of `PER_SESSION` records each, interleaved,
+/// keyed by session, with one big record (`BIG`).
+fn produce_sessions(topic: &str) {
+    let p: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("message.max.bytes", "1000000")
+        .create()
+        .expect("producer");
+    for i in 0..PER_SESSION {
+        for s in 0..SESSIONS {
+            let key = format!("s{s}");
+            let v = value(s, i);
+            p.send(BaseRecord::to(topic).key(&key).payload(&v))
+                .map_err(|(e, _)| e)
+                .expect("send");
+            p.poll(Duration::ZERO);
+        }
+    }
+    p.flush(T).expect("flush");
+}
+
+/// Everything a read_committed consumer reads of `topic` (all `partitions`) from the start:
+/// until `want` records, then two seconds more for extras, or `within`. Values with the
+/// `sessionflow-dlq-reason` header if any.
+fn read_all(
+    topic: &str,
+    partitions: i32,
+    want: usize,
+    within: Duration,
+) -> Vec<(String, Option<String>)> {
+    use rdkafka::message::Headers;
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", "unused")
+        .set("isolation.level", "read_committed")
+        .set("enable.auto.commit", "false")
+        .create()
+        .expect("reader");
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..partitions {
+        tpl.add_partition_offset(topic, p, Offset::Beginning)
+            .unwrap();
+    }
+    c.assign(&tpl).expect("assign");
+    let mut got = Vec::new();
+    let deadline = Instant::now() + within;
+    let mut extra_until: Option<Instant> = None;
+    while Instant::now() < extra_until.unwrap_or(deadline) {
+        if let Some(Ok(m)) = c.poll(Duration::from_millis(100)) {
+            let reason = m.headers().and_then(|hs| {
+                hs.iter()
+                    .find(|h| h.key == sessionflow_worker::record::header::DLQ_REASON)
+                    .and_then(|h| h.value)
+                    .map(|v| String::from_utf8_lossy(v).into_owned())
+            });
+            let v = String::from_utf8_lossy(m.payload().unwrap_or_default()).into_owned();
+            got.push((v, reason));
+        }
+        if got.len() >= want && extra_until.is_none() {
+            extra_until = Some(Instant::now() + Duration::from_secs(2));
+        }
+    }
+    got
+}
+
+/// What the abort tests check of the read_committed output and DLQ: each non-big record
+/// exactly once in the output, in order per session; the big one exactly once, in the DLQ (with
+/// `dlq_reason`) or in the output (when `dlq_reason` is `None` and it went there). Returns
+/// whether the big record went to the DLQ.
+fn check_exactly_once(topics: &Topics, partitions: i32) -> bool {
+    let total = SESSIONS * PER_SESSION;
+    let output = read_all(
+        &topics.output,
+        partitions,
+        total - 1,
+        Duration::from_secs(60),
+    );
+    let dlq = read_all(&topics.dlq, 1, 0, Duration::from_secs(5));
+    let short = |v: &str| v.chars().take(12).collect::<String>();
+    let big = value(BIG.0, BIG.1);
+    let big_in_output = output.iter().filter(|(v, _)| *v == big).count();
+    let big_in_dlq: Vec<&Option<String>> = dlq
+        .iter()
+        .filter(|(v, _)| *v == big)
+        .map(|(_, r)| r)
+        .collect();
+    assert_eq!(
+        dlq.len(),
+        big_in_dlq.len(),
+        "only the big record may be dead-lettered: {:?}",
+        dlq.iter().map(|(v, r)| (short(v), r)).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        big_in_output + big_in_dlq.len(),
+        1,
+        "the big record exactly once (output {big_in_output}, DLQ {})",
+        big_in_dlq.len()
+    );
+    let to_dlq = big_in_dlq.len() == 1;
+    for s in 0..SESSIONS {
+        let prefix = format!("s{s}-");
+        let got: Vec<String> = output
+            .iter()
+            .filter(|(v, _)| v.starts_with(&prefix))
+            .map(|(v, _)| v.clone())
+            .collect();
+        let want: Vec<String> = (0..PER_SESSION)
+            .filter(|i| !(to_dlq && (s, *i) == BIG))
+            .map(|i| value(s, i))
+            .collect();
+        assert_eq!(
+            got.iter().map(|v| short(v)).collect::<Vec<_>>(),
+            want.iter().map(|v| short(v)).collect::<Vec<_>>(),
+            "session s{s}: every record exactly once, in order"
+        );
+    }
+    to_dlq
+}
+
+/// The sum of the worker's counter `name` over the series with all of `labels` (Prometheus
+/// text, e.g. `reason="write"`), 0 if none.
+async fn counter(port: u16, name: &str, labels: &[&str]) -> u64 {
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let (status, body) = sessionflow_tests::http_get(addr, "/metrics").await;
+    assert_eq!(status, 200, "{body}");
+    let prefix = format!("sessionflow_{name}{{");
+    body.lines()
+        .filter(|l| l.starts_with(&prefix) && labels.iter().all(|x| l.contains(x)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .map(|v| v as u64)
+        .sum()
+}
+
+/// An exactly-once stage over 2 partitions whose output topic takes at most
+/// `OUTPUT_MAX_BYTES`; metrics on `port`, logs (warn) to a file of its own.
+async fn abort_stage(name: &str, port: u16) -> (Topics, WorkerProcess, std::path::PathBuf) {
+    let topics = Topics::create(name, 2).await;
+    set_max_message_bytes(&topics.output, OUTPUT_MAX_BYTES).await;
+    produce_sessions(&topics.input);
+    let yaml = topics
+        .stage_yaml("{latencyMs: 200, seed: 3}", "delivery: exactlyOnce")
+        .replace(
+            "metricsAddr: null",
+            &format!("metricsAddr: 127.0.0.1:{port}"),
+        );
+    // Small output batches: the topic's limit applies to a batch of records.
+    let yaml = format!("{yaml}  batch.size: '8192'\n");
+    let log = std::env::temp_dir().join(sessionflow_tests::unique(name) + ".log");
+    let worker = WorkerProcess::spawn_logging_at(
+        &yaml,
+        &[],
+        std::fs::File::create(&log).expect("log file").into(),
+        "sessionflow_worker=warn",
+    );
+    (topics, worker, log)
+}
+
+/// An exactly-once transaction aborts (the big record's output is refused by the output
+/// topic, which makes the transaction abortable): the worker aborts it and rewinds the
+/// partition instead of stopping; once the topic takes the record (its limit raised), the
+/// replay commits. The worker never stops, and the read_committed output has every record
+/// exactly once, in order per session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aborted_exactly_once_transaction_rewinds_its_partition_and_the_worker_goes_on() {
+    let port = 19490;
+    let (topics, mut worker, log) = abort_stage("eos-abort", port).await;
+    let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    let aborted = wait_until(Duration::from_secs(120), || {
+        read_log().contains("transaction aborted") || !worker.running()
+    })
+    .await;
+    assert!(
+        worker.running(),
+        "the worker stopped on the abort:\n{}",
+        read_log()
+    );
+    assert!(aborted.is_ok(), "no abort within 120 s:\n{}", read_log());
+    set_max_message_bytes(&topics.output, 1_000_000).await;
+    topics.wait_fully_committed(Duration::from_secs(120)).await;
+    assert!(
+        worker.running(),
+        "the worker stopped after the abort:\n{}",
+        read_log()
+    );
+    let aborts = counter(
+        port,
+        "transactions_total",
+        &["result=\"aborted\"", "reason=\"write\""],
+    )
+    .await;
+    assert!(aborts >= 1, "aborts counted: {aborts}");
+    let to_dlq = check_exactly_once(&topics, 2);
+    eprintln!("aborts (write): {aborts}; the big record went to the DLQ: {to_dlq}");
+    worker.terminate();
+    topics.delete().await;
+}
+
+/// A poison transaction: the big record's output is refused every time (the output topic never
+/// takes it), so every transaction of its partition that writes it aborts. After
+/// `POISON_ABORTS` aborts in a row naming it, its replay writes it to the DLQ (reason
+/// `transaction-abort`) in the transaction instead, which commits: the worker never stops, the
+/// big record is exactly once in the read_committed DLQ, every other record exactly once in the
+/// output, in order per session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_that_aborts_every_transaction_goes_to_the_dlq_once() {
+    let port = 19491;
+    let (topics, mut worker, log) = abort_stage("eos-poison", port).await;
+    let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    let input = topics.input.clone();
+    let done = wait_until(Duration::from_secs(180), || {
+        !worker.running() || topics.committed() == sessionflow_tests::end_offsets(&input)
+    })
+    .await;
+    assert!(worker.running(), "the worker stopped:\n{}", read_log());
+    assert!(
+        done.is_ok(),
+        "committed {:?} never reached the end:\n{}",
+        topics.committed(),
+        read_log()
+    );
+    let aborts = counter(
+        port,
+        "transactions_total",
+        &["result=\"aborted\"", "reason=\"write\""],
+    )
+    .await;
+    let dlq = counter(port, "dlq_total", &["reason=\"transaction-abort\""]).await;
+    let to_dlq = check_exactly_once(&topics, 2);
+    eprintln!("aborts (write): {aborts}; dead letters (transaction-abort): {dlq}");
+    assert!(to_dlq, "the big record is in the DLQ");
+    assert!(
+        aborts >= u64::from(sessionflow_worker::output::transactions::POISON_ABORTS),
+        "aborts counted: {aborts}"
+    );
+    let dlq_reason = read_all(&topics.dlq, 1, 1, Duration::from_secs(10));
+    assert_eq!(
+        dlq_reason[0].1.as_deref(),
+        Some("transaction-abort"),
+        "the DLQ record's reason"
+    );
+    worker.terminate();
+    topics.delete().await;
 }

@@ -28,7 +28,7 @@ use std::time::Duration;
 use crate::commit::offset_map::MAX_METADATA;
 use crate::commit::offsets::{Offset, Partition};
 use crate::config::{
-    ConfigError, Delivery, RebalanceStrategy, StageConfig, EXACTLY_ONCE_MESSAGE_TIMEOUT_MS,
+    ConfigError, Delivery, StageConfig, EXACTLY_ONCE_MESSAGE_TIMEOUT_MS,
     EXACTLY_ONCE_TRANSACTION_TIMEOUT_MS, REVOCATION_COMMIT_ALLOWANCE_MS,
 };
 
@@ -127,15 +127,9 @@ pub fn check_stage(config: &StageConfig) -> Result<(), ConfigError> {
     if config.settings.delivery() != Delivery::ExactlyOnce {
         return Ok(());
     }
-    if config.rebalance.strategy == RebalanceStrategy::Consumer {
-        // A transactional offset commit can be refused (ILLEGAL_GENERATION) while the broker
-        // changes an assignment, and an abort stops the worker for now (docs/exactly-once.md).
-        return Err(ConfigError::new(
-            "rebalance.strategy",
-            "exactlyOnce does not support the consumer group protocol (KIP-848) yet; \
-             use cooperative or eager",
-        ));
-    }
+    // The consumer group protocol (KIP-848) is allowed: a transactional offset commit refused
+    // while the broker changes an assignment (ILLEGAL_GENERATION) aborts and rewinds the
+    // partition, and the next commit sends the group metadata of then (`intake::transactional`).
     check_in_flight_cap(config.max_in_flight_per_partition)
         .map_err(|e| ConfigError::new("maxInFlightPerPartition", e.to_string()))?;
     let ms = Duration::from_millis;
@@ -343,7 +337,7 @@ mod tests {
         let at_least_once = stage(&format!("maxInFlightPerPartition: {wide}\n"));
         assert_eq!(check_stage(&at_least_once), Ok(()));
         let kip_848 = stage("delivery: exactlyOnce\nrebalance: {strategy: consumer}\n");
-        assert_eq!(check_stage(&kip_848).unwrap_err().key, "rebalance.strategy");
+        assert_eq!(check_stage(&kip_848), Ok(()));
         let kip_848 = stage("rebalance: {strategy: consumer}\n");
         assert_eq!(check_stage(&kip_848), Ok(()));
         let long_drain = stage("delivery: exactlyOnce\nrebalance: {drainTimeoutMs: 60000}\n");

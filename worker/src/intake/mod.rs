@@ -230,6 +230,14 @@ impl IntakeLoop {
         while !self.stopping() {
             self.ctx().health.beat();
             self.ctx().judge_membership();
+            if let Some(transactions) = self.producer.transactions() {
+                // exactlyOnce: transactions that can no longer commit are aborted, and their
+                // partitions rewound, before anything more is taken in.
+                if transactions.any_doomed() {
+                    let ctx = self.ctx();
+                    ctx.abort_doomed(&self.consumer, &mut ctx.book(), transactions);
+                }
+            }
             // Events (rebalances run in here) and records not in a partition queue yet; after a
             // queue is split off, the main queue once more: its records of that partition are
             // older than any in the new queue.

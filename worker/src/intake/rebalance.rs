@@ -98,6 +98,10 @@ impl IntakeContext {
             if !book.assign(p, committed.get(&p)) {
                 continue;
             }
+            if let (Some(t), Some(state)) = (self.producer.transactions(), book.partitions.get(&p))
+            {
+                t.since(p, state.lease.epoch);
+            }
             tracing::info!(partition = p, "partition assigned");
         }
         let prefetch = self.settings.prefetch;
@@ -161,7 +165,7 @@ impl IntakeContext {
 
     /// The committed offsets of the newly assigned partitions, each with its completed-offset
     /// map (empty where the broker kept no metadata, or where the map cannot be trusted).
-    fn committed_maps(
+    pub(super) fn committed_maps(
         &self,
         committed: &TopicPartitionList,
     ) -> HashMap<Partition, (i64, DoneAbove)> {

@@ -127,7 +127,9 @@ impl IntakeLoop {
         let until = until.max(Instant::now() + FINAL_COMMIT_RETRIES);
         loop {
             let failed = self.commit_now();
-            if failed == 0 || Instant::now() >= until {
+            // exactlyOnce: a refused transactional commit leaves its transaction abortable (it
+            // is aborted at the close); no retry can commit it.
+            if failed == 0 || Instant::now() >= until || self.producer.transactions().is_some() {
                 return failed;
             }
             tracing::info!(

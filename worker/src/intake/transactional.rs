@@ -1,25 +1,69 @@
-//! `exactlyOnce` commits: each partition's transaction, with its offsets (docs/exactly-once.md).
+//! `exactlyOnce` commits: each partition's transaction, with its offsets, and its aborts and
+//! rewinds (docs/exactly-once.md).
 //!
 //! A commit takes the write barrier exclusively (every write of the transaction acknowledged,
 //! its record's completion sent), applies the completions, and commits each partition's
 //! transaction with its watermark and completed-offset map, sent with the consumer's group
-//! metadata. A transaction that does not commit stops the worker: no later transaction is
-//! committed, the open ones are aborted at the stop, and the restart replays from the last
-//! committed one. (Rewinding the partition instead of stopping is the design's next step.)
+//! metadata.
+//!
+//! A transaction that cannot commit — a write of it refused or purged (it is *doomed*, see
+//! `output::transactions`), or its offsets or end refused — is aborted, and its partition
+//! **rewinds**: its lease is revoked (its sessions write nothing more of its records), its books
+//! start over from the committed watermark and map, read again from the group as on
+//! assignment, the consumer seeks there and the next transaction begins. Other partitions go
+//! on. A partition leaving this worker (revocation, stop) is not rewound: its transaction is
+//! aborted when its producer closes, and the next owner replays from the last commit. A
+//! fenced producer (another owner has the partition) or an abort that fails stops the worker,
+//! as before.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::{Offset as KafkaOffset, TopicPartitionList};
+use std::sync::Arc;
 
+use crate::commit::offset_map::DoneAbove;
 use crate::commit::offsets::Partition;
-use crate::intake::book::Book;
+use crate::intake::book::{Book, PartitionState, Phase};
 use crate::intake::rebalance::IntakeContext;
 use crate::output::producer::ProducerEvents;
-use crate::output::transactions::Transactions;
+use crate::output::transactions::{AbortReason, Doom, Strike, Transactions};
+use crate::record::Lease;
+
+/// How long a rewind waits for the group's committed offset of the partition.
+const COMMITTED_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Whether a transaction error means another producer has the transactional id (or the
+/// client cannot go on): no abort can help.
+fn is_fatal(error: &KafkaError) -> bool {
+    if let KafkaError::Transaction(e) = error {
+        if e.is_fatal() {
+            return true;
+        }
+    }
+    matches!(
+        error.rdkafka_error_code(),
+        Some(
+            RDKafkaErrorCode::ProducerFenced
+                | RDKafkaErrorCode::InvalidProducerEpoch
+                | RDKafkaErrorCode::Fatal
+        )
+    )
+}
+
+/// Whether `doom` is of a transaction of `p` aborted already: its record's lease is older than
+/// the partition's (it was rewound since).
+fn is_stale(book: &Book, p: Partition, doom: &Doom) -> bool {
+    let lease = book.partitions.get(&p).map(|s| s.lease.epoch);
+    doom.epoch.is_some_and(|e| Some(e) != lease)
+}
 
 impl IntakeContext {
     /// Commits the transactions of `only` (all partitions when `None`); `force`: every
-    /// partition not confirmed as it is (a final commit). Returns how many partitions failed.
+    /// partition not confirmed as it is (a final commit: the partitions are leaving, and one
+    /// that cannot commit is left to its producer's close, which aborts it). Returns how many
+    /// partitions failed.
     pub(super) fn commit_transactions(
         &self,
         consumer: &BaseConsumer<IntakeContext>,
@@ -40,6 +84,28 @@ impl IntakeContext {
         };
         let mut failed = 0;
         for p in partitions {
+            // A leaving partition's doom stays: nothing of its transaction may commit, ever.
+            let doom = if force {
+                transactions.doom_of(p)
+            } else {
+                transactions.take_doom(p)
+            };
+            if let Some(doom) = doom.filter(|d| !is_stale(book, p, d)) {
+                // Nothing of this transaction may commit.
+                failed += book.unsettled(&[p]);
+                if force {
+                    self.count_abort(doom.reason);
+                    tracing::warn!(
+                        partition = p,
+                        reason = doom.reason.as_str(),
+                        "leaving partition's transaction cannot commit: aborted at its close; \
+                         the next owner replays from the last commit"
+                    );
+                } else if !self.rewind_transaction(consumer, book, transactions, p, doom) {
+                    return failed;
+                }
+                continue;
+            }
             let offsets = book.commit_list(Some(&[p]), force);
             if offsets.count() == 0 {
                 continue;
@@ -49,34 +115,192 @@ impl IntakeContext {
             self.metrics
                 .transaction_commit_seconds
                 .observe(started.elapsed().as_secs_f64());
-            self.metrics
-                .transactions
-                .with_label_values(&[if result.is_ok() {
-                    "committed"
-                } else {
-                    "failed"
-                }])
-                .inc();
             failed += book.commit_answered(&result, &offsets, &self.metrics);
             match result {
-                Ok(()) => tracing::debug!(
-                    partition = p,
-                    ms = started.elapsed().as_millis() as u64,
-                    "transaction committed"
-                ),
-                Err(e) => {
-                    self.metrics.fatal_errors.inc();
-                    self.health.fail();
-                    tracing::error!(partition = p, error = %e,
-                        "exactlyOnce: a transaction did not commit; the worker stops (its open \
-                         transactions are aborted, the restart replays from the last committed \
-                         one)");
-                    self.fatal.cancel();
+                Ok(()) => {
+                    self.metrics
+                        .transactions
+                        .with_label_values(&["committed", ""])
+                        .inc();
+                    if let Some(KafkaOffset::Offset(w)) = offsets
+                        .find_partition(&self.settings.input, p)
+                        .map(|e| e.offset())
+                    {
+                        transactions.committed(p, w);
+                    }
+                    tracing::debug!(
+                        partition = p,
+                        ms = started.elapsed().as_millis() as u64,
+                        "transaction committed"
+                    );
+                }
+                Err(e) if is_fatal(&e) => {
+                    self.count_abort(AbortReason::Commit);
+                    self.stop_fatally(
+                        p,
+                        &format!(
+                            "exactlyOnce: the partition's producer is fenced or failed ({e}); the \
+                         worker stops (the restart replays from the last committed transaction)"
+                        ),
+                    );
                     return failed;
+                }
+                Err(e) if force => {
+                    self.count_abort(AbortReason::Commit);
+                    tracing::warn!(partition = p, error = %e,
+                        "leaving partition's transaction did not commit: aborted at its close; \
+                         the next owner replays from the last commit");
+                }
+                Err(e) => {
+                    tracing::warn!(partition = p, error = %e,
+                        "exactlyOnce: the transaction did not commit; aborting it and \
+                         replaying the partition from its last commit");
+                    let doom = Doom {
+                        reason: AbortReason::Commit,
+                        record: None,
+                        epoch: None,
+                    };
+                    if !self.rewind_transaction(consumer, book, transactions, p, doom) {
+                        return failed;
+                    }
                 }
             }
         }
         failed
+    }
+
+    /// Aborts and rewinds every doomed partition still owned (see the module doc). Called by
+    /// the loop every turn; does nothing (and takes no lock) when none is doomed. Waits while
+    /// the membership fence is closed (the group's committed offsets cannot be read then).
+    pub(super) fn abort_doomed(
+        &self,
+        consumer: &BaseConsumer<IntakeContext>,
+        book: &mut Book,
+        transactions: &Transactions<ProducerEvents>,
+    ) {
+        if self.fatal.is_cancelled() || !self.producer.gate().is_open() {
+            return;
+        }
+        if !transactions.any_doomed() {
+            return;
+        }
+        // The barrier first: while it waits, the doomed partitions' writes are purged.
+        let _exclusive = transactions.exclusive();
+        let doomed = transactions.take_doomed();
+        for (p, doom) in doomed {
+            let owned = book
+                .partitions
+                .get(&p)
+                .is_some_and(|s| s.phase == Phase::Owned);
+            if !owned {
+                continue; // leaving: its close aborts it
+            }
+            if !self.rewind_transaction(consumer, book, transactions, p, doom) {
+                return;
+            }
+        }
+    }
+
+    /// Aborts `p`'s transaction and rewinds `p` to its committed watermark and map. Call
+    /// under the barrier, exclusively. False when the worker stops instead.
+    fn rewind_transaction(
+        &self,
+        consumer: &BaseConsumer<IntakeContext>,
+        book: &mut Book,
+        transactions: &Transactions<ProducerEvents>,
+        p: Partition,
+        doom: Doom,
+    ) -> bool {
+        if !book.partitions.contains_key(&p) || is_stale(book, p, &doom) {
+            return true;
+        }
+        self.count_abort(doom.reason);
+        match transactions.strike(p, doom.record) {
+            Strike::Counted(n) => {
+                tracing::warn!(partition = p, reason = doom.reason.as_str(),
+                record = doom.record, aborts_in_a_row = n,
+                "exactlyOnce: transaction aborted; replaying the partition from its last commit")
+            }
+            Strike::Poisoned => tracing::warn!(
+                partition = p,
+                record = doom.record,
+                "exactlyOnce: this record's write made its partition's transactions abort \
+                 again and again: on the replay it goes to the DLQ (transaction-abort)"
+            ),
+            Strike::DeadLetterAborted => {
+                self.stop_fatally(
+                    p,
+                    &format!(
+                        "exactlyOnce: the dead letter of poison record {:?} aborted its \
+                     transaction too; the worker stops rather than loop",
+                        doom.record
+                    ),
+                );
+                return false;
+            }
+        }
+        // Where to go back to: the group's committed offset and map, as on assignment.
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition(&self.settings.input, p);
+        let committed = match consumer.committed_offsets(tpl, COMMITTED_TIMEOUT) {
+            Ok(c) => self.committed_maps(&c).remove(&p),
+            Err(e) => {
+                self.stop_fatally(
+                    p,
+                    &format!(
+                        "exactlyOnce: the committed offset to rewind to could not be read ({e})"
+                    ),
+                );
+                return false;
+            }
+        };
+        // Its sessions write nothing more of its records (the barrier is ours: none is
+        // writing now), its books start over, the transaction is aborted and the next begun.
+        book.next_epoch += 1;
+        let lease = Arc::new(Lease::new(p, book.next_epoch));
+        let (from, done_above) = match committed {
+            Some((w, map)) => (KafkaOffset::Offset(w), map),
+            None => (KafkaOffset::Beginning, DoneAbove::empty(0)),
+        };
+        if let Some(state) = book.partitions.get_mut(&p) {
+            state.lease.revoke();
+            *state = PartitionState::new(lease.clone(), done_above);
+        }
+        transactions.since(p, lease.epoch);
+        book.tracker.revoke(p);
+        book.tracker.assign(p);
+        if let (KafkaOffset::Offset(w), Some(o)) = (from, book.tracker.partition_mut(p)) {
+            o.set_confirmed(w);
+        }
+        if let Err(e) = transactions.abort(p) {
+            self.stop_fatally(p, &format!("exactlyOnce: the abort failed ({e})"));
+            return false;
+        }
+        // librdkafka drops what it had fetched from before the seek (its fetch version).
+        if let Err(e) = consumer.seek(&self.settings.input, p, from, COMMITTED_TIMEOUT) {
+            self.stop_fatally(
+                p,
+                &format!("exactlyOnce: the seek back to the last commit failed ({e})"),
+            );
+            return false;
+        }
+        self.metrics.in_flight.set(book.tracker.in_flight() as i64);
+        tracing::info!(partition = p, ?from, "partition rewound to its last commit");
+        true
+    }
+
+    fn count_abort(&self, reason: AbortReason) {
+        self.metrics
+            .transactions
+            .with_label_values(&["aborted", reason.as_str()])
+            .inc();
+    }
+
+    fn stop_fatally(&self, p: Partition, message: &str) {
+        self.metrics.fatal_errors.inc();
+        self.health.fail();
+        tracing::error!(partition = p, "{message}");
+        self.fatal.cancel();
     }
 
     /// `exactlyOnce`: opens the transactional producers of newly assigned `partitions` —
@@ -91,12 +315,13 @@ impl IntakeContext {
                 continue;
             }
             if let Err(e) = transactions.open(*p) {
-                self.metrics.fatal_errors.inc();
-                self.health.fail();
-                tracing::error!(partition = p, error = %e,
-                    "exactlyOnce: the partition's transactional producer could not be opened; \
-                     the worker stops");
-                self.fatal.cancel();
+                self.stop_fatally(
+                    *p,
+                    &format!(
+                        "exactlyOnce: the partition's transactional producer could not be opened \
+                     ({e}); the worker stops"
+                    ),
+                );
                 return false;
             }
         }

@@ -52,7 +52,8 @@ pub struct Metrics {
     pub write_gate_closed: IntGauge,
     pub final_commit_failures: IntCounter,
     pub fatal_errors: IntCounter,
-    /// `exactlyOnce`: partition transactions by result (`committed`, `failed`).
+    /// `exactlyOnce`: partition transactions by result (`committed`, `aborted`) and, for an
+    /// abort, reason (`write`, `commit`, `fence`; empty for a commit).
     pub transactions: IntCounterVec,
     /// `exactlyOnce`: barrier + offsets + commit of one partition's transaction.
     pub transaction_commit_seconds: Histogram,
@@ -179,9 +180,11 @@ impl Metrics {
         let transactions = IntCounterVec::new(
             Opts::new(
                 "transactions_total",
-                "exactlyOnce: partition transactions ended, by result (committed, failed).",
+                "exactlyOnce: partition transactions ended, by result (committed, aborted) and \
+                 the abort's reason (write: a write refused; commit: the offsets or the end \
+                 refused; fence: writes purged).",
             ),
-            &["result"],
+            &["result", "reason"],
         )
         .expect("valid metric");
         registry.add(transactions.clone());

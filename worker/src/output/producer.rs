@@ -342,17 +342,15 @@ impl StageProducer {
     /// this worker may land once it has left the group, and when the membership fence
     /// closes.
     ///
-    /// In `exactlyOnce` a purged write leaves its transaction unable to commit: when one was
-    /// given up, the worker stops (fatal; no transaction is committed any more, the open ones are aborted at the
-    /// stop, and the restart replays from the last committed transaction).
+    /// In `exactlyOnce` a purged write leaves its transaction unable to commit: each partition
+    /// that had writes out is doomed (`Transactions::purge`), and the consumer loop aborts its
+    /// transaction and rewinds it (or, for a partition leaving, aborts instead of committing).
     pub fn purge(&self) {
         self.inner
             .producer
             .purge(PurgeConfig::default().queue().inflight());
-        if self.inner.transactions.as_ref().is_some_and(|t| t.purge()) {
-            self.inner.events.raise_fatal(
-                &"exactlyOnce: writes had to be given up, their transactions cannot commit",
-            );
+        if let Some(t) = &self.inner.transactions {
+            t.purge();
         }
     }
 

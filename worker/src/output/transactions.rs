@@ -11,8 +11,16 @@
 //! exclusively ([`Transactions::exclusive`]), so that every write in the transaction it commits
 //! is acknowledged and counted in the offsets it commits, and writes that come meanwhile wait
 //! for the next transaction.
+//!
+//! A transaction that can no longer commit (a write of it refused, or purged) is *doomed*: the
+//! write's settler says so ([`Transactions::doom`], naming its record), and the consumer loop
+//! aborts it and rewinds the partition (`intake::transactional`). The record an abort names is
+//! struck; one struck [`POISON_ABORTS`] times in a row is poison: its next write is a dead
+//! letter ([`Transactions::is_poisoned`]), so that one record cannot make the partition abort
+//! for ever.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -25,10 +33,79 @@ use rdkafka::TopicPartitionList;
 use tokio::sync::{OwnedRwLockReadGuard, RwLock, RwLockWriteGuard};
 
 use crate::commit::exactly_once::transactional_id;
-use crate::commit::offsets::Partition;
+use crate::commit::offsets::{Offset, Partition};
 
 /// How long a transaction call (init, offsets, commit, abort) may take.
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+/// How often a commit waiting for the barrier purges the writes of newly doomed partitions.
+const PURGE_DOOMED_EVERY: Duration = Duration::from_millis(5);
+
+/// Consecutive aborts of a partition naming the same record after which that record is poison:
+/// its next write is a dead letter (reason `transaction-abort`) instead of its output.
+pub const POISON_ABORTS: u32 = 3;
+
+/// Why a partition's transaction was aborted (the `reason` of
+/// `sessionflow_transactions_total{result="aborted"}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AbortReason {
+    /// A write of the transaction was refused by the broker (after the client's retries).
+    Write,
+    /// The offsets or the end of the transaction were refused (`send_offsets`, `EndTxn`).
+    Commit,
+    /// Writes of the transaction were given up (purged): the membership fence, or a purge for
+    /// partitions leaving this worker.
+    Fence,
+}
+
+impl AbortReason {
+    pub const ALL: [AbortReason; 3] = [Self::Write, Self::Commit, Self::Fence];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Write => "write",
+            Self::Commit => "commit",
+            Self::Fence => "fence",
+        }
+    }
+}
+
+/// A doomed transaction: why, and the record whose write doomed it, if one did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Doom {
+    pub reason: AbortReason,
+    pub record: Option<Offset>,
+    /// The lease epoch of the record whose write doomed it: a doom from an older lease than
+    /// the partition's is stale (the transaction it doomed was aborted already, and the
+    /// partition rewound under a new lease). `None` (a purge): the partition's transaction now.
+    pub epoch: Option<u64>,
+}
+
+impl Doom {
+    /// Whether this doom replaces `other`, both of the same partition: a purge's always does
+    /// (it dooms whatever is open now), a record's does when its lease is newer, or as new
+    /// when `other` names no record (a write refused because the transaction was doomed
+    /// already names none: the write that doomed it is the one to name).
+    fn replaces(&self, other: &Doom) -> bool {
+        match (self.epoch, other.epoch) {
+            (_, None) => false,
+            (None, Some(_)) => true,
+            (Some(new), Some(old)) => {
+                new > old || (new == old && other.record.is_none() && self.record.is_some())
+            }
+        }
+    }
+}
+
+/// What an abort naming a record makes of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strike {
+    /// Struck fewer than [`POISON_ABORTS`] times in a row (or no record named).
+    Counted(u32),
+    /// Now poison: its next write is a dead letter.
+    Poisoned,
+    /// Already poison, and its dead letter's transaction aborted too.
+    DeadLetterAborted,
+}
 
 /// A write's share of the commit barrier.
 pub type Share = OwnedRwLockReadGuard<()>;
@@ -44,6 +121,21 @@ pub struct Transactions<C: ClientContext + Clone + 'static> {
     events: C,
     producers: Mutex<HashMap<Partition, FutureProducer<C>>>,
     barrier: Arc<RwLock<()>>,
+    /// Partitions whose open transaction can no longer commit; `any_doomed` says whether there
+    /// is one without taking the lock (read every turn of the loop).
+    doomed: Mutex<HashMap<Partition, Doom>>,
+    any_doomed: AtomicBool,
+    /// Per partition, the lease epoch of its open transaction's records: a doom from an older
+    /// lease is of a transaction aborted already, and is dropped (see [`Transactions::since`]).
+    epochs: Mutex<HashMap<Partition, u64>>,
+    /// Per partition, the record the last aborts named and how many in a row named it.
+    strikes: Mutex<HashMap<Partition, (Offset, u32)>>,
+    /// Records whose next write is a dead letter.
+    poisoned: Mutex<HashSet<(Partition, Offset)>>,
+}
+
+fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl<C: ClientContext + Clone + 'static> Transactions<C> {
@@ -56,11 +148,116 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
             events,
             producers: Mutex::default(),
             barrier: Arc::default(),
+            doomed: Mutex::default(),
+            any_doomed: AtomicBool::new(false),
+            epochs: Mutex::default(),
+            strikes: Mutex::default(),
+            poisoned: Mutex::default(),
         }
     }
 
     fn producers(&self) -> std::sync::MutexGuard<'_, HashMap<Partition, FutureProducer<C>>> {
-        self.producers.lock().unwrap_or_else(|p| p.into_inner())
+        locked(&self.producers)
+    }
+
+    /// `partition`'s open transaction can no longer commit (a record's write was refused, or
+    /// writes were purged): the loop aborts it and rewinds the partition. The first doom of a
+    /// transaction is the one kept (see [`Doom::replaces`]).
+    pub fn doom(&self, partition: Partition, doom: Doom) {
+        let since = locked(&self.epochs).get(&partition).copied();
+        if doom.epoch.zip(since).is_some_and(|(e, since)| e < since) {
+            return; // of a transaction aborted already
+        }
+        let mut doomed = locked(&self.doomed);
+        match doomed.get_mut(&partition) {
+            Some(old) if !doom.replaces(old) => {}
+            Some(old) => *old = doom,
+            None => {
+                doomed.insert(partition, doom);
+            }
+        }
+        self.any_doomed.store(true, Ordering::Release);
+    }
+
+    /// `partition`'s open transaction holds the writes of records of lease `epoch` on (set when
+    /// it is assigned and when it is rewound): dooms from older leases are dropped, as are
+    /// those already noted.
+    pub fn since(&self, partition: Partition, epoch: u64) {
+        locked(&self.epochs).insert(partition, epoch);
+        let mut doomed = locked(&self.doomed);
+        if doomed
+            .get(&partition)
+            .is_some_and(|d| d.epoch.is_some_and(|e| e < epoch))
+        {
+            doomed.remove(&partition);
+        }
+    }
+
+    /// Whether a partition's open transaction is doomed (no lock taken).
+    pub fn any_doomed(&self) -> bool {
+        self.any_doomed.load(Ordering::Acquire)
+    }
+
+    /// The doomed partitions, taken out of the list (empty at once when there are none).
+    pub fn take_doomed(&self) -> Vec<(Partition, Doom)> {
+        if !self.any_doomed.swap(false, Ordering::AcqRel) {
+            return Vec::new();
+        }
+        locked(&self.doomed).drain().collect()
+    }
+
+    /// `partition`'s doom, left in the list.
+    pub fn doom_of(&self, partition: Partition) -> Option<Doom> {
+        locked(&self.doomed).get(&partition).copied()
+    }
+
+    /// `partition`'s doom, taken out of the list.
+    pub fn take_doom(&self, partition: Partition) -> Option<Doom> {
+        locked(&self.doomed).remove(&partition)
+    }
+
+    /// An abort of `partition` named `record`: counts it (see [`Strike`]).
+    pub fn strike(&self, partition: Partition, record: Option<Offset>) -> Strike {
+        let Some(record) = record else {
+            return Strike::Counted(0);
+        };
+        if locked(&self.poisoned).contains(&(partition, record)) {
+            return Strike::DeadLetterAborted;
+        }
+        let mut strikes = locked(&self.strikes);
+        let entry = strikes.entry(partition).or_insert((record, 0));
+        if entry.0 != record {
+            *entry = (record, 0);
+        }
+        entry.1 += 1;
+        if entry.1 < POISON_ABORTS {
+            return Strike::Counted(entry.1);
+        }
+        strikes.remove(&partition);
+        locked(&self.poisoned).insert((partition, record));
+        Strike::Poisoned
+    }
+
+    /// Whether `record` of `partition` is poison: its write is a dead letter.
+    pub fn is_poisoned(&self, partition: Partition, record: Offset) -> bool {
+        let poisoned = locked(&self.poisoned);
+        !poisoned.is_empty() && poisoned.contains(&(partition, record))
+    }
+
+    /// `partition`'s transaction committed with its offsets up to `watermark`: a record struck
+    /// or poison below it is done with. (A commit that does not pass the struck record — the
+    /// same watermark with a new map — does not end the row: that record is still the first
+    /// one not committed.)
+    pub fn committed(&self, partition: Partition, watermark: Offset) {
+        let mut strikes = locked(&self.strikes);
+        if strikes
+            .get(&partition)
+            .is_some_and(|(record, _)| *record < watermark)
+        {
+            strikes.remove(&partition);
+        }
+        drop(strikes);
+        locked(&self.poisoned).retain(|(p, o)| *p != partition || *o >= watermark);
     }
 
     /// Opens `partition`'s producer: init (fencing any older owner's) and begin. Blocking.
@@ -92,8 +289,39 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
     }
 
     /// The barrier, exclusively: waits for every write's share. Blocking; not on the runtime.
+    ///
+    /// While it waits, the producers of doomed partitions are purged (at once, and as more are
+    /// doomed): their writes cannot commit, and librdkafka would keep them — holding their
+    /// shares, so this wait — until `message.timeout.ms`. A purged write comes back and waits
+    /// for the barrier behind this (see `settle`), then finds its partition rewound.
     pub fn exclusive(&self) -> Exclusive<'_> {
-        self.barrier.blocking_write()
+        let taken = AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                while !taken.load(Ordering::Acquire) {
+                    if self.any_doomed() {
+                        self.purge_doomed();
+                    }
+                    std::thread::sleep(PURGE_DOOMED_EVERY);
+                }
+            });
+            let exclusive = self.barrier.blocking_write();
+            taken.store(true, Ordering::Release);
+            exclusive
+        })
+    }
+
+    /// Gives up the writes of the doomed partitions' producers.
+    fn purge_doomed(&self) {
+        let doomed: Vec<Partition> = locked(&self.doomed).keys().copied().collect();
+        let producers = self.producers();
+        for p in doomed {
+            if let Some(producer) = producers.get(&p) {
+                if producer.in_flight_count() > 0 {
+                    producer.purge(rdkafka::producer::PurgeConfig::default().queue().inflight());
+                }
+            }
+        }
     }
 
     /// Commits `partition`'s transaction with `offsets` (its watermark and map) and begins the
@@ -112,9 +340,23 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
         producer.begin_transaction()
     }
 
+    /// Aborts `partition`'s open transaction and begins the next, keeping the producer (a
+    /// rewind). Call under [`Transactions::exclusive`]. Blocking.
+    pub fn abort(&self, partition: Partition) -> KafkaResult<()> {
+        let Some(producer) = self.producer(partition) else {
+            return Err(KafkaError::MessageProduction(RDKafkaErrorCode::State));
+        };
+        producer.abort_transaction(CALL_TIMEOUT)?;
+        producer.begin_transaction()
+    }
+
     /// Aborts `partition`'s open transaction (what it wrote since its last commit is never
     /// visible to read_committed readers) and closes its producer.
     pub fn abort_and_close(&self, partition: Partition) {
+        locked(&self.doomed).remove(&partition);
+        locked(&self.epochs).remove(&partition);
+        locked(&self.strikes).remove(&partition);
+        locked(&self.poisoned).retain(|(p, _)| *p != partition);
         if let Some(producer) = self.producers().remove(&partition) {
             if let Err(e) = producer.abort_transaction(CALL_TIMEOUT) {
                 tracing::warn!(partition, error = %e, "abort of the open transaction failed \
@@ -124,18 +366,24 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
     }
 
     /// Gives up every write not yet acknowledged, in every producer. Their transactions can
-    /// then no longer commit: the caller stops the worker if anything was given up (see
-    /// `StageProducer::purge`).
-    /// Returns whether anything was given up.
-    pub fn purge(&self) -> bool {
-        let mut gave_up = false;
-        for producer in self.producers().values() {
+    /// then no longer commit: each partition that had writes out is doomed (reason `fence`;
+    /// the loop aborts and rewinds it, or, if it is leaving, aborts it instead of committing).
+    pub fn purge(&self) {
+        let mut gave_up = Vec::new();
+        for (p, producer) in self.producers().iter() {
             if producer.in_flight_count() > 0 {
-                gave_up = true;
+                gave_up.push(*p);
                 producer.purge(rdkafka::producer::PurgeConfig::default().queue().inflight());
             }
         }
-        gave_up
+        for p in gave_up {
+            let doom = Doom {
+                reason: AbortReason::Fence,
+                record: None,
+                epoch: None,
+            };
+            self.doom(p, doom);
+        }
     }
 
     /// Closes every producer, aborting what each has open.
@@ -144,5 +392,95 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
         for p in partitions {
             self.abort_and_close(p);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rdkafka::client::DefaultClientContext;
+
+    use super::*;
+
+    fn transactions() -> Transactions<DefaultClientContext> {
+        Transactions::new(ClientConfig::new(), "g", "t", DefaultClientContext)
+    }
+
+    fn write(record: Offset, epoch: u64) -> Doom {
+        Doom {
+            reason: AbortReason::Write,
+            record: Some(record),
+            epoch: Some(epoch),
+        }
+    }
+
+    #[test]
+    fn a_record_named_by_three_aborts_in_a_row_is_poison_until_committed() {
+        let t = transactions();
+        assert_eq!(t.strike(0, Some(5)), Strike::Counted(1));
+        assert_eq!(t.strike(0, Some(5)), Strike::Counted(2));
+        assert!(!t.is_poisoned(0, 5));
+        assert_eq!(t.strike(0, Some(5)), Strike::Poisoned);
+        assert!(t.is_poisoned(0, 5) && !t.is_poisoned(1, 5) && !t.is_poisoned(0, 6));
+        // Its dead letter's transaction aborted too: no more rounds.
+        assert_eq!(t.strike(0, Some(5)), Strike::DeadLetterAborted);
+        t.committed(0, 6);
+        assert!(!t.is_poisoned(0, 5));
+    }
+
+    #[test]
+    fn another_record_or_a_commit_past_the_record_starts_the_count_again() {
+        let t = transactions();
+        assert_eq!(t.strike(0, Some(5)), Strike::Counted(1));
+        assert_eq!(t.strike(0, Some(5)), Strike::Counted(2));
+        assert_eq!(t.strike(0, Some(7)), Strike::Counted(1));
+        assert_eq!(t.strike(0, Some(5)), Strike::Counted(1));
+        // An abort naming no record (a purge) does not break the row.
+        assert_eq!(t.strike(0, None), Strike::Counted(0));
+        assert_eq!(t.strike(0, Some(5)), Strike::Counted(2));
+        // A commit below the record (the same watermark with a new map) does not end the row.
+        t.committed(0, 5);
+        assert_eq!(t.strike(0, Some(5)), Strike::Poisoned);
+        // Per partition; a commit past the record ends its row.
+        assert_eq!(t.strike(1, Some(8)), Strike::Counted(1));
+        assert_eq!(t.strike(1, Some(8)), Strike::Counted(2));
+        t.committed(1, 9);
+        assert_eq!(t.strike(1, Some(8)), Strike::Counted(1));
+    }
+
+    #[test]
+    fn the_doom_kept_names_the_write_that_doomed_the_open_transaction() {
+        let t = transactions();
+        t.since(0, 4);
+        assert!(!t.any_doomed() && t.take_doomed().is_empty());
+        // From a lease older than the open transaction's: dropped.
+        t.doom(0, write(9, 3));
+        assert!(t.take_doomed().is_empty());
+        // Refused because the transaction was doomed already (no record), then the write that
+        // doomed it: that one is named.
+        t.doom(
+            0,
+            Doom {
+                record: None,
+                ..write(0, 4)
+            },
+        );
+        t.doom(0, write(11, 4));
+        t.doom(0, write(12, 4));
+        assert_eq!(t.take_doomed(), vec![(0, write(11, 4))]);
+        assert!(!t.any_doomed());
+        // A purge dooms whatever is open, and stays.
+        let purge = Doom {
+            reason: AbortReason::Fence,
+            record: None,
+            epoch: None,
+        };
+        t.doom(0, write(11, 4));
+        t.doom(0, purge);
+        t.doom(0, write(13, 5));
+        assert_eq!(t.take_doom(0), Some(purge));
+        // A rewind drops what was noted of the transaction it aborted.
+        t.doom(0, write(14, 5));
+        t.since(0, 6);
+        assert_eq!(t.take_doom(0), None);
     }
 }

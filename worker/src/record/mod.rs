@@ -40,15 +40,19 @@ pub enum DlqReason {
     ProduceFailed,
     /// The handler did not finish within the stuck-offset timeout.
     Stuck,
+    /// `exactlyOnce`: its output made every transaction of its partition abort (e.g. too
+    /// large for the output topic), `POISON_ABORTS` times in a row.
+    TransactionAbort,
 }
 
 impl DlqReason {
-    pub const ALL: [DlqReason; 5] = [
+    pub const ALL: [DlqReason; 6] = [
         Self::Poison,
         Self::RetriesExhausted,
         Self::MissingSession,
         Self::ProduceFailed,
         Self::Stuck,
+        Self::TransactionAbort,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -58,6 +62,7 @@ impl DlqReason {
             Self::MissingSession => "missing-session",
             Self::ProduceFailed => "produce-failed",
             Self::Stuck => "stuck",
+            Self::TransactionAbort => "transaction-abort",
         }
     }
 }

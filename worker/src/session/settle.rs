@@ -16,6 +16,12 @@
 //! membership fence (see `membership`): while the group coordinator is silent it waits, and a
 //! write the fence purged is written again once it opens.
 //!
+//! In `exactlyOnce` a refused write (output or dead letter) dooms its transaction: nothing more
+//! of it can commit, so the record is released, not dead-lettered in the same transaction, and
+//! the consumer loop aborts and rewinds the partition (`output::transactions`). A record whose
+//! writes made its partition's transactions abort [`POISON_ABORTS`] times in a row is written
+//! as a dead letter (reason `transaction-abort`) instead of its output.
+//!
 //! A dead letter the broker refuses is retried with backoff for as long as it takes (dropping
 //! it would lose the record), counted, logged with the record, reported by the stuck timer and
 //! reflected in readiness, so an alert or an operator can act.
@@ -23,11 +29,13 @@
 use std::time::Instant;
 
 use rand::Rng;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 
 use crate::ops::health::Health;
 use crate::ops::metrics::Metrics;
 use crate::ops::signal::Signal;
-use crate::output::producer::StageProducer;
+use crate::output::producer::{StageProducer, WriteError};
+use crate::output::transactions::{AbortReason, Doom, POISON_ABORTS};
 use crate::record::DlqReason;
 use crate::record::InputRecord;
 use crate::session::retry::RetryPolicy;
@@ -121,12 +129,27 @@ impl Settler<'_> {
                 self.producer.release(record);
                 return Settled::Released;
             };
+            if matches!(outcome, Outcome::Output(_)) && self.is_poisoned(record) {
+                outcome = Outcome::DeadLetter {
+                    reason: DlqReason::TransactionAbort,
+                    error: format!(
+                        "its output made {POISON_ABORTS} transactions of its partition abort \
+                         in a row (exactlyOnce)"
+                    ),
+                    attempts: 1,
+                };
+            }
             let written = match &outcome {
                 // Not reached: settled above, without a permit.
                 Outcome::Output(None) => Ok(()),
                 Outcome::Output(Some(payload)) => {
                     match self.producer.write_output(record, payload, &permit).await {
                         // Written, or taken back (purged): settled below, as a dead letter is.
+                        Err(e) if !e.is_purged() && self.dooms(record, &e) => {
+                            drop(permit);
+                            self.producer.release(record);
+                            return Settled::Released;
+                        }
                         Err(e) if !e.is_purged() => {
                             // After librdkafka's retries: this output will not land. Nothing
                             // of the session's next record exists yet, so the DLQ comes first.
@@ -181,6 +204,10 @@ impl Settler<'_> {
                     self.producer.release(record);
                     return Settled::Released;
                 }
+                Err(e) if self.dooms(record, &e) => {
+                    self.producer.release(record);
+                    return Settled::Released;
+                }
                 Err(e) => {
                     // Only a dead letter gets here (an output that will not land became one).
                     refusals += 1;
@@ -214,6 +241,38 @@ impl Settler<'_> {
                 }
             }
         }
+    }
+
+    /// `exactlyOnce`: a refused write dooms its transaction (see the module doc); true when it
+    /// did, and the record is to be released (the rewind replays it).
+    fn dooms(&self, record: &InputRecord, error: &WriteError) -> bool {
+        let Some(transactions) = self.producer.transactions() else {
+            return false;
+        };
+        // Refused at once because the transaction is doomed already: not this record's doing.
+        let innocent = matches!(
+            error,
+            WriteError::Refused(KafkaError::MessageProduction(RDKafkaErrorCode::State))
+        );
+        self.metrics.produce_errors.inc();
+        tracing::warn!(%error, partition = record.partition, offset = record.offset,
+            session = %record.session_str(),
+            "exactlyOnce: write refused; the partition's transaction is aborted and replayed");
+        let doom = Doom {
+            reason: AbortReason::Write,
+            record: (!innocent).then_some(record.offset),
+            epoch: Some(record.lease.epoch),
+        };
+        transactions.doom(record.partition, doom);
+        true
+    }
+
+    /// `exactlyOnce`: whether `record`'s writes made its partition's transactions abort too
+    /// often: it is written as a dead letter.
+    fn is_poisoned(&self, record: &InputRecord) -> bool {
+        self.producer
+            .transactions()
+            .is_some_and(|t| t.is_poisoned(record.partition, record.offset))
     }
 
     /// Waits at the closed membership fence: true once it opens, false when the record's
