@@ -442,7 +442,7 @@ kafka:
     );
     let config =
         StageConfig::from_yaml(&yaml).map_err(|e| anyhow::anyhow!("the worker config: {e}"))?;
-    // What the worker checks at start (exactlyOnce refuses the consumer protocol).
+    // What the worker checks at start.
     sessionflow_worker::commit::exactly_once::check_stage(&config)
         .map_err(|e| anyhow::anyhow!("the worker config: {e}"))?;
     Ok(yaml)
@@ -454,7 +454,7 @@ mod tests {
     use schedule::ClusterKind;
 
     #[test]
-    fn exactly_once_runs_the_classic_protocols_on_kafka() {
+    fn exactly_once_runs_every_protocol_on_kafka() {
         let topics = RunTopics {
             input: "in".into(),
             output: "out".into(),
@@ -474,13 +474,9 @@ mod tests {
                 "exactlyOnce",
                 &[],
             );
-            if *rebalance == "consumer" {
-                // Refused like the worker does; the run falls back to cooperative.
-                assert!(yaml.is_err());
-            } else {
-                let config = StageConfig::from_yaml(&yaml.unwrap()).unwrap();
-                assert_eq!(config.settings.delivery(), Delivery::ExactlyOnce);
-            }
+            // Every protocol, KIP-848's included: an ILLEGAL_GENERATION aborts and rewinds.
+            let config = StageConfig::from_yaml(&yaml.unwrap()).unwrap();
+            assert_eq!(config.settings.delivery(), Delivery::ExactlyOnce);
         }
     }
 
