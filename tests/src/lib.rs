@@ -24,7 +24,7 @@ use sessionflow_worker::{Handler, HandlerError, HandlerResult, InputRecord, Stag
 pub fn brokers() -> String {
     std::env::var("SESSIONFLOW_BROKERS").expect(
         "SESSIONFLOW_BROKERS is not set: run the tests with `make test` (it starts a broker), \
-         or start one with scripts/broker.sh start and export SESSIONFLOW_BROKERS=127.0.0.1:9092",
+         or start one with scripts/kafka.sh start --port 9092 and export SESSIONFLOW_BROKERS=127.0.0.1:9092",
     )
 }
 

@@ -189,8 +189,10 @@ async fn the_next_owners_transactional_id_fences_the_old_owner_and_the_map_rides
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_exactly_once_stage_killed_and_stopped_mid_flow_outputs_every_record_once() {
     let topics = Topics::create("eos-kill", 4).await;
-    let total = 10_000;
-    crate::produce_round_robin(&topics, 100, 100).await;
+    // Enough that the SIGTERM comes mid-flow on an idle machine too (10,000 were all written
+    // before it in one run).
+    let total = 30_000;
+    crate::produce_round_robin(&topics, 100, 300).await;
     let yaml = topics.stage_yaml(
         "{transientRate: 0.05, poisonRate: 0.01, latencyMs: 5, seed: 11}",
         "delivery: exactlyOnce",
@@ -240,8 +242,10 @@ async fn an_exactly_once_stage_killed_and_stopped_mid_flow_outputs_every_record_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_exactly_once_worker_resumed_after_the_takeover_writes_nothing_visible() {
     let topics = Topics::create("eos-zombie", 4).await;
-    let total = 10_000;
-    crate::produce_round_robin(&topics, 100, 100).await;
+    // Enough that the SIGTERM comes mid-flow on an idle machine too (10,000 were all written
+    // before it in one run).
+    let total = 30_000;
+    crate::produce_round_robin(&topics, 100, 300).await;
     let yaml = topics.stage_yaml("{latencyMs: 20, seed: 7}", "delivery: exactlyOnce");
 
     let mut frozen = WorkerProcess::spawn(&yaml);
@@ -295,8 +299,10 @@ async fn a_frozen_exactly_once_worker_resumed_after_the_takeover_writes_nothing_
 /// commit refused with an outdated member epoch while the assignment changes is such an abort).
 async fn scale_out_and_in_exactly_once(strategy: &str) {
     let topics = Topics::create(&format!("eos-scale-{strategy}"), 6).await;
-    let total = 10_000;
-    crate::produce_round_robin(&topics, 100, 100).await;
+    // Enough that the SIGTERM comes mid-flow on an idle machine too (10,000 were all written
+    // before it in one run).
+    let total = 30_000;
+    crate::produce_round_robin(&topics, 100, 300).await;
     let yaml = topics.stage_yaml(
         "{transientRate: 0.02, latencyMs: 10, seed: 13}",
         &format!(
