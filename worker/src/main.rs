@@ -76,8 +76,16 @@ async fn dispatch(command: Command, log_format: LogFormat) -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
+            let sampling = match telemetry::Sampling::from_env(|n| std::env::var(n).ok()) {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(2);
+                }
+            };
             // Inside the runtime: the OTLP batch exporter spawns onto it.
-            let _telemetry = telemetry::init_with_otlp(log_format, config.otlp_endpoint.as_deref());
+            let endpoint = config.otlp_endpoint.as_deref();
+            let _telemetry = telemetry::init_with_otlp(log_format, endpoint, sampling);
             report(run_stage(config).await)
         }
     }
