@@ -69,15 +69,16 @@ async fn dispatch(command: Command, log_format: LogFormat) -> ExitCode {
     // Telemetry is set up once the config (which may name an OTLP endpoint) is read.
     match command {
         Command::Run { config, brokers } => {
-            let config = match load_config(&config, brokers.as_deref()) {
-                Ok(c) => c,
+            // The head sampler (OTEL_TRACES_SAMPLER[_ARG]), checked before anything starts.
+            let sampling = match telemetry::Sampling::from_env(|n| std::env::var(n).ok()) {
+                Ok(s) => s,
                 Err(e) => {
                     eprintln!("error: {e}");
                     return ExitCode::from(2);
                 }
             };
-            let sampling = match telemetry::Sampling::from_env(|n| std::env::var(n).ok()) {
-                Ok(s) => s,
+            let config = match load_config(&config, brokers.as_deref()) {
+                Ok(c) => c,
                 Err(e) => {
                     eprintln!("error: {e}");
                     return ExitCode::from(2);
