@@ -207,7 +207,8 @@ pub fn record_span(record: &InputRecord) -> tracing::Span {
         offset = record.offset,
         event_id = %record.event_id(),
     );
-    if traced {
+    // No subscriber takes the span (telemetry not installed): no parent to read either.
+    if traced && !span.is_disabled() {
         let parent = TraceContextPropagator::new().extract(&RecordHeaders(record));
         let _ = span.set_parent(parent);
     }
