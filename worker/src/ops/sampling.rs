@@ -14,7 +14,9 @@
 //!
 //! Parent-based: a record whose `traceparent` has the sampled flag gets spans, one whose flag is
 //! clear gets none (its `traceparent` is passed on unchanged); a record without a (valid)
-//! `traceparent` is a root, sampled at the ratio. The ratio is compared with the trace id's low
+//! `traceparent` is a root, sampled at the ratio. The other samplers apply the ratio to roots
+//! and sampled parents alike; a parent flagged not sampled gets no spans with any of them (the
+//! SDK's sampler is parent-based and would drop them). The ratio is compared with the trace id's low
 //! 64 bits when the record has one (every hop of a trace decides alike), else with a hash of the
 //! record's partition and offset (a redelivered record decides as it did the first time).
 
@@ -148,9 +150,11 @@ impl Sampling {
 
 /// Whether a record gets spans: the parent's flag when parent-based and there is a parent,
 /// else the ratio (`threshold`, see [`Sampling::threshold`]) against the trace id or `draw`.
+/// A parent flagged not sampled gets no spans in any mode: the SDK (parent-based, see
+/// `telemetry`) would not export them.
 pub fn sampled(parent_based: bool, threshold: u64, parent: Parent, draw: u64) -> bool {
     let draw = match parent {
-        Parent::Span { sampled, .. } if parent_based => return sampled,
+        Parent::Span { sampled, .. } if parent_based || !sampled => return sampled,
         Parent::Span { trace_low, .. } => trace_low,
         Parent::None => draw,
     };
@@ -246,7 +250,8 @@ mod tests {
             .filter(|o| sampled(true, t, Parent::None, draw(o % 8, i64::from(*o))))
             .count();
         assert!((800..1200).contains(&n), "{n} of 100000 at 1 %");
-        // Not parent-based: the ratio applies to the parent's trace id, not its flag.
+        // Not parent-based: the ratio applies to a sampled parent's trace id; a parent flagged
+        // not sampled stays unsampled (the SDK would drop its spans).
         let half = Sampling {
             parent_based: false,
             ratio: 0.5,
@@ -254,7 +259,8 @@ mod tests {
         .threshold();
         // trace_low 0xa3ce… is above half of u64: not sampled although the flag is set.
         assert!(!sampled(false, half, Parent::of(Some(SAMPLED)), 0));
-        assert!(sampled(false, always, Parent::of(Some(NOT_SAMPLED)), 0));
+        assert!(sampled(false, always, Parent::of(Some(SAMPLED)), 0));
+        assert!(!sampled(false, always, Parent::of(Some(NOT_SAMPLED)), 0));
     }
 
     #[test]
