@@ -12,6 +12,11 @@
 //! last one is, so that dump holds exactly the cost of the records in between, on every thread.
 //! `bench/callgrind.sh` runs it and divides. Outside valgrind the requests do nothing, and the
 //! run reports its rate only.
+//!
+//! With `--traceparent-sampled R` every record carries a W3C `traceparent` (its own trace),
+//! the sampled flag set on a fraction R of them, spread evenly — what an upstream that samples
+//! at R sends — to measure the head sampler (`OTEL_TRACES_SAMPLER`, with
+//! `OTEL_EXPORTER_OTLP_ENDPOINT` for export; `bench/callgrind.sh` passes the environment on).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -42,6 +47,9 @@ pub struct WorkloadArgs {
     /// batch serialised and sent, is not included).
     #[arg(long)]
     spans: bool,
+    /// Every record carries a `traceparent`, with the sampled flag on this fraction of them.
+    #[arg(long)]
+    traceparent_sampled: Option<f64>,
     /// As the benchmark's `--sessionflow-kafka` (e.g. `queued.min.messages=N` for the
     /// engine's `prefetchRecords`).
     #[arg(long, value_parser = crate::key_value)]
@@ -110,7 +118,12 @@ pub async fn run(args: WorkloadArgs) -> anyhow::Result<()> {
         rate: None,
         value_size: crate::workload::VALUE_SIZE,
     };
-    Producer::new(&brokers, false)?.produce(&load).await?;
+    match args.traceparent_sampled {
+        Some(ratio) => produce_traced(&brokers, &load, ratio).await?,
+        None => {
+            Producer::new(&brokers, false)?.produce(&load).await?;
+        }
+    }
     let settings = SystemSettings {
         brokers,
         topic: topic.into(),
@@ -160,6 +173,80 @@ pub async fn run(args: WorkloadArgs) -> anyhow::Result<()> {
     println!("order violations: {}", counts.order_violations);
     println!("wall s: {:.1}", started.elapsed().as_secs_f64());
     anyhow::ensure!(counts.order_violations == 0, "order violations");
+    Ok(())
+}
+
+/// `load`'s records as [`Producer::produce`] writes them (key, value, sequence header), each
+/// with a `traceparent` of its own trace, sampled on a fraction `ratio` of them.
+async fn produce_traced(brokers: &str, load: &Load, ratio: f64) -> anyhow::Result<()> {
+    use futures::stream::{FuturesUnordered, StreamExt};
+    use rdkafka::message::{Header, OwnedHeaders};
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    use sessionflow_worker::record::header;
+
+    anyhow::ensure!(
+        (0.0..=1.0).contains(&ratio),
+        "--traceparent-sampled: a ratio in [0, 1]"
+    );
+    let producer: FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("linger.ms", "10")
+        .set("partitioner", "murmur2_random")
+        .set("enable.idempotence", "true")
+        .set("queue.buffering.max.messages", "1000000")
+        .create()?;
+    let order = sessionflow_tools::loadgen::session_sequence(
+        load.records,
+        load.sessions,
+        load.choice,
+        load.seed,
+    );
+    let mut seqs = vec![0u64; load.sessions.max(1) as usize];
+    let acks = FuturesUnordered::new();
+    for (i, sid) in order.iter().enumerate() {
+        let sid = *sid as u32;
+        seqs[sid as usize] += 1;
+        let seq = seqs[sid as usize].to_string();
+        let key = crate::workload::session_key(sid);
+        let value = crate::workload::encode_value(
+            crate::measurement::now_us(),
+            sid,
+            false,
+            load.value_size,
+        );
+        let i = i as u64;
+        let sampled = ((i + 1) as f64 * ratio).floor() > (i as f64 * ratio).floor();
+        let traceparent = format!(
+            "00-{:016x}{:016x}-{:016x}-{}",
+            0x5e55_10f1_0000_0000u64 | i,
+            i.wrapping_mul(0x9e37_79b9_7f4a_7c15),
+            i + 1,
+            if sampled { "01" } else { "00" }
+        );
+        let headers = OwnedHeaders::new()
+            .insert(Header {
+                key: header::SEQ,
+                value: Some(seq.as_bytes()),
+            })
+            .insert(Header {
+                key: header::TRACEPARENT,
+                value: Some(traceparent.as_bytes()),
+            });
+        let record = FutureRecord::to(&load.topic)
+            .key(key.as_bytes())
+            .payload(&value)
+            .headers(headers);
+        acks.push(
+            producer
+                .send_result(record)
+                .map_err(|(e, _)| anyhow::anyhow!("producing: {e}"))?,
+        );
+    }
+    let failed = acks
+        .filter(|a| std::future::ready(!matches!(a, Ok(Ok(_)))))
+        .count()
+        .await;
+    anyhow::ensure!(failed == 0, "{failed} records were not acknowledged");
     Ok(())
 }
 

@@ -69,6 +69,14 @@ async fn dispatch(command: Command, log_format: LogFormat) -> ExitCode {
     // Telemetry is set up once the config (which may name an OTLP endpoint) is read.
     match command {
         Command::Run { config, brokers } => {
+            // The head sampler (OTEL_TRACES_SAMPLER[_ARG]), checked before anything starts.
+            let sampling = match telemetry::Sampling::from_env(|n| std::env::var(n).ok()) {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(2);
+                }
+            };
             let config = match load_config(&config, brokers.as_deref()) {
                 Ok(c) => c,
                 Err(e) => {
@@ -77,7 +85,8 @@ async fn dispatch(command: Command, log_format: LogFormat) -> ExitCode {
                 }
             };
             // Inside the runtime: the OTLP batch exporter spawns onto it.
-            let _telemetry = telemetry::init_with_otlp(log_format, config.otlp_endpoint.as_deref());
+            let endpoint = config.otlp_endpoint.as_deref();
+            let _telemetry = telemetry::init_with_otlp(log_format, endpoint, sampling);
             report(run_stage(config).await)
         }
     }
