@@ -627,6 +627,8 @@ fn spec(
             telemetry: opts.telemetry,
             fetch_wait_ms: opts.fetch_wait_ms,
             sessionflow_kafka: opts.sessionflow_kafka.clone(),
+            commit_interval_ms: system.sessionflow_commit().map_or(1_000, |(ms, _)| ms),
+            exactly_once: system.sessionflow_commit().is_some_and(|(_, eos)| eos),
         },
         // The ceiling does no processing: no simulated I/O, no faults.
         handler: if system == SystemKind::Ceiling {

@@ -6,7 +6,10 @@
 //! offset, commits contiguous watermarks and runs its own order watchdog. As *sessionflow +
 //! output* (settings with an `output` topic) the handler returns the record's value and the
 //! engine writes it to that topic: a record is done when its output is acknowledged, which is
-//! what a pipeline stage that is not the last one pays. With `telemetry` the
+//! what a pipeline stage that is not the last one pays. The `sessionflow-eos` variant sets
+//! `delivery: exactlyOnce` and a 100 ms commit interval (`sessionflow-alo100`: the same interval,
+//! atLeastOnce); a terminal stage still commits each partition's offsets in a transaction of
+//! its partition's transactional producer. With `telemetry` the
 //! worker binary's tracing setup is installed first, as in a deployed worker, with logging at
 //! `warn`: with no OTLP endpoint and no `traceparent` on the records, no record gets a span.
 
@@ -86,9 +89,11 @@ pub fn stage_config(settings: &SystemSettings) -> StageConfig {
                 max_attempts: 0,
             }),
             stuck: Some(Default::default()),
-            commit_interval_ms: Some(1_000),
+            commit_interval_ms: Some(settings.commit_interval_ms),
             shutdown_timeout_ms: Some(10_000),
-            delivery: None,
+            delivery: settings
+                .exactly_once
+                .then_some(sessionflow_worker::config::Delivery::ExactlyOnce),
         },
         rebalance: Default::default(),
         dispatchers: 8,
