@@ -308,9 +308,7 @@ pub async fn start(
         SystemKind::Sessionflow
         | SystemKind::SessionflowOutput
         | SystemKind::SessionflowEos
-        | SystemKind::SessionflowAlo100 => {
-            sessionflow::start(settings, core).await
-        }
+        | SystemKind::SessionflowAlo100 => sessionflow::start(settings, core).await,
         SystemKind::Sequential => sequential::start(settings, core),
         SystemKind::Pool => pool::start(settings, core),
         SystemKind::ParallelConsumer => parallel_consumer::start(settings, core).await,
@@ -377,7 +375,11 @@ mod tests {
         assert!(!select(&all, &[], true).contains(&SessionflowEos));
         assert!(!select(&all, &[], true).contains(&SessionflowAlo100));
         assert_eq!(
-            select(&all, &[Sessionflow, SessionflowEos, SessionflowAlo100], false),
+            select(
+                &all,
+                &[Sessionflow, SessionflowEos, SessionflowAlo100],
+                false
+            ),
             vec![Sessionflow, SessionflowAlo100, SessionflowEos]
         );
         assert_eq!(select(&all, &[SessionflowEos], false), vec![SessionflowEos]);
