@@ -140,3 +140,49 @@ pub async fn start(settings: &SystemSettings, core: Arc<Core>) -> anyhow::Result
         go: None,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sessionflow_worker::config::Delivery;
+
+    fn settings(commit_interval_ms: u64, exactly_once: bool) -> SystemSettings {
+        SystemSettings {
+            brokers: "127.0.0.1:9092".into(),
+            topic: "in".into(),
+            dlq: "dlq".into(),
+            output: None,
+            group: "g".into(),
+            partitions: 8,
+            retry_initial_ms: 1,
+            retry_max_ms: 100,
+            pool_workers: 1,
+            pool_queue: 1,
+            session_idle_ms: 30_000,
+            telemetry: false,
+            fetch_wait_ms: 10,
+            sessionflow_kafka: vec![],
+            commit_interval_ms,
+            exactly_once,
+        }
+    }
+
+    #[test]
+    fn the_stage_takes_the_variants_delivery_and_commit_interval() {
+        let eos = stage_config(&settings(100, true)).settings;
+        assert_eq!(eos.delivery(), Delivery::ExactlyOnce);
+        assert_eq!(eos.commit_interval_ms, Some(100));
+        let alo = stage_config(&settings(1_000, false)).settings;
+        assert_eq!(alo.delivery(), Delivery::AtLeastOnce);
+        assert_eq!(alo.commit_interval_ms, Some(1_000));
+        // What a child reads when the parent sent no such fields: the 1 s atLeastOnce stage.
+        let old: SystemSettings = serde_json::from_value({
+            let mut v = serde_json::to_value(settings(100, true)).unwrap();
+            v.as_object_mut().unwrap().remove("commit_interval_ms");
+            v.as_object_mut().unwrap().remove("exactly_once");
+            v
+        })
+        .unwrap();
+        assert_eq!((old.commit_interval_ms, old.exactly_once), (1_000, false));
+    }
+}
