@@ -153,6 +153,19 @@ bench-pc-jar: $(PC_JAR)
 $(PC_JAR): bench/parallel-consumer/pom.xml $(shell find bench/parallel-consumer/src -name '*.java')
 	cd bench/parallel-consumer && mvn -q -B package
 
+## bench-eos: the cost of exactlyOnce (issue 35): sessionflow, and the same stage at a 100 ms
+## commit interval in atLeastOnce and exactlyOnce, P1 and P2 (BENCH_EOS_ONLY); the report goes to
+## a temporary folder (printed), not BENCHMARKS.md — its numbers are copied by hand into
+## bench/NOTES.md; ~3–5 minutes on 2 cores. Needs Apache Kafka (transactions).
+BENCH_EOS_ONLY ?= p1,p2
+BENCH_EOS_SYSTEMS = sessionflow,sessionflow-alo100,sessionflow-eos
+.PHONY: bench-eos
+bench-eos:
+	$(CARGO) build --release -p sessionflow-bench
+	$(eval EOS_DIR := $(shell mktemp -d -t sessionflow-bench-eos.XXXXXX))
+	$(call bench_run,--only $(BENCH_EOS_ONLY) --systems $(BENCH_EOS_SYSTEMS) --out $(EOS_DIR)/BENCHMARKS.md --results-dir $(EOS_DIR)/results --log-dir $(EOS_DIR)/logs)
+	@echo "bench-eos: report in $(EOS_DIR)/BENCHMARKS.md"
+
 .PHONY: bench-pc bench-pc-jar callgrind
 
 ## callgrind: instructions per record of a fixed in-process workload (librdkafka's mock

@@ -20,6 +20,8 @@ pub fn colour(kind: SystemKind) -> RGBColor {
         SystemKind::Ceiling => RGBColor(120, 120, 120),
         SystemKind::Sessionflow => RGBColor(31, 119, 180),
         SystemKind::SessionflowOutput => RGBColor(44, 160, 44),
+        SystemKind::SessionflowEos => RGBColor(23, 190, 207),
+        SystemKind::SessionflowAlo100 => RGBColor(140, 86, 75),
         SystemKind::Sequential => RGBColor(214, 39, 40),
         SystemKind::Pool => RGBColor(255, 127, 14),
         SystemKind::ParallelConsumer => RGBColor(148, 103, 189),

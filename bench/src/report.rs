@@ -719,6 +719,20 @@ pub fn markdown(
              handler completion, like every system's.\n",
         );
     }
+    if outcomes.iter().any(|o| {
+        o.system(SystemKind::SessionflowEos).is_some()
+            || o.system(SystemKind::SessionflowAlo100).is_some()
+    }) {
+        md.push_str(
+            "- **sessionflow (exactlyOnce, 100 ms)** and **sessionflow (atLeastOnce, 100 ms)** \
+             (on request: `--systems …,sessionflow-eos,sessionflow-alo100`): the same terminal \
+             stage with `delivery: exactlyOnce` (a transactional producer per input partition, \
+             its offsets committed in a transaction) or atLeastOnce, both committing every \
+             100 ms (unless `--variant-commit-interval-ms` says otherwise). Latency ends at the \
+             handler, as for every system: a stage with outputs under exactlyOnce makes them \
+             visible to `read_committed` readers only at the commit, up to one interval later.\n",
+        );
+    }
     md.push('\n');
     for o in outcomes {
         scenario_table(o, &mut md);

@@ -343,6 +343,8 @@ pub struct Options {
     pub fetch_wait_ms: u64,
     /// Extra librdkafka properties for sessionflow's stage.
     pub sessionflow_kafka: Vec<(String, String)>,
+    /// The commit interval of `sessionflow-eos` and `sessionflow-alo100` instead of their 100 ms.
+    pub variant_commit_interval_ms: Option<u64>,
     /// Where each child's stderr goes.
     pub log_dir: PathBuf,
     /// The broker's process, when it runs on this machine (its CPU time is read).
@@ -627,6 +629,15 @@ fn spec(
             telemetry: opts.telemetry,
             fetch_wait_ms: opts.fetch_wait_ms,
             sessionflow_kafka: opts.sessionflow_kafka.clone(),
+            commit_interval_ms: match system {
+                SystemKind::SessionflowEos | SystemKind::SessionflowAlo100 => {
+                    opts.variant_commit_interval_ms
+                }
+                _ => None,
+            }
+            .or(system.sessionflow_commit().map(|(ms, _)| ms))
+            .unwrap_or(1_000),
+            exactly_once: system.sessionflow_commit().is_some_and(|(_, eos)| eos),
         },
         // The ceiling does no processing: no simulated I/O, no faults.
         handler: if system == SystemKind::Ceiling {

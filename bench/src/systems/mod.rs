@@ -16,6 +16,12 @@
 //! - [`pool`]: the seed's first design — sessions hashed onto a fixed pool of workers, each
 //!   working through its queue one record at a time with retries inside the worker, so a
 //!   failing session holds up every session that shares its worker;
+//! - *sessionflow (exactlyOnce)* and *sessionflow (atLeastOnce, 100 ms)* (on request:
+//!   `--systems sessionflow-eos,sessionflow-alo100`): the same terminal stage as
+//!   [`sessionflow`] with `delivery: exactlyOnce` (a transactional producer per input partition,
+//!   the partition's offsets committed in a transaction) or left at `atLeastOnce`, both at a
+//!   100 ms commit interval (sessionflow's own row commits every 1,000 ms), so the cost of
+//!   exactlyOnce is read at equal commit intervals;
 //! - [`parallel_consumer`] (on request: `--systems …,parallel-consumer`): the Confluent Parallel
 //!   Consumer in KEY ordering, a JVM of its own that this child starts and reads its
 //!   measurements from (the one system not in the child's own process).
@@ -54,6 +60,11 @@ pub enum SystemKind {
     Sessionflow,
     /// sessionflow as a stage with an output topic (not in [`SystemKind::ALL`]: on request).
     SessionflowOutput,
+    /// sessionflow with `delivery: exactlyOnce` at a 100 ms commit interval (on request).
+    SessionflowEos,
+    /// sessionflow (atLeastOnce) at a 100 ms commit interval, the exactlyOnce row's yardstick
+    /// (on request).
+    SessionflowAlo100,
     Sequential,
     Pool,
     /// The Confluent Parallel Consumer, KEY ordering (not in [`SystemKind::ALL`]: on request,
@@ -71,10 +82,12 @@ impl SystemKind {
     ];
 
     /// Every system, in the order reports and charts list them.
-    pub const EVERY: [SystemKind; 6] = [
+    pub const EVERY: [SystemKind; 8] = [
         SystemKind::Ceiling,
         SystemKind::Sessionflow,
         SystemKind::SessionflowOutput,
+        SystemKind::SessionflowAlo100,
+        SystemKind::SessionflowEos,
         SystemKind::Sequential,
         SystemKind::Pool,
         SystemKind::ParallelConsumer,
@@ -85,9 +98,21 @@ impl SystemKind {
             Self::Ceiling => "raw consumer (ceiling)",
             Self::Sessionflow => "sessionflow",
             Self::SessionflowOutput => "sessionflow + output",
+            Self::SessionflowEos => "sessionflow (exactlyOnce, 100 ms)",
+            Self::SessionflowAlo100 => "sessionflow (atLeastOnce, 100 ms)",
             Self::Sequential => "per-partition sequential",
             Self::Pool => "flat worker pool",
             Self::ParallelConsumer => "Parallel Consumer (KEY)",
+        }
+    }
+
+    /// The commit interval and delivery of a sessionflow variant: `None` for the others.
+    pub fn sessionflow_commit(self) -> Option<(u64, bool)> {
+        match self {
+            Self::Sessionflow | Self::SessionflowOutput => Some((1_000, false)),
+            Self::SessionflowAlo100 => Some((100, false)),
+            Self::SessionflowEos => Some((100, true)),
+            _ => None,
         }
     }
 
@@ -96,6 +121,8 @@ impl SystemKind {
             Self::Ceiling => "ceiling",
             Self::Sessionflow => "sessionflow",
             Self::SessionflowOutput => "sessionflow-output",
+            Self::SessionflowEos => "sessionflow-eos",
+            Self::SessionflowAlo100 => "sessionflow-alo100",
             Self::Sequential => "sequential",
             Self::Pool => "pool",
             Self::ParallelConsumer => "parallel-consumer",
@@ -119,6 +146,13 @@ pub fn select(defaults: &[SystemKind], only: &[SystemKind], with_output: bool) -
             && !defaults.contains(&output)
         {
             systems.push(output);
+        }
+        if s == SystemKind::Sessionflow {
+            for v in [SystemKind::SessionflowAlo100, SystemKind::SessionflowEos] {
+                if only.contains(&v) && !defaults.contains(&v) {
+                    systems.push(v);
+                }
+            }
         }
     }
     if only.contains(&pc) && defaults.contains(&SystemKind::Sequential) && !systems.contains(&pc) {
@@ -154,6 +188,16 @@ pub struct SystemSettings {
     /// Extra librdkafka properties for sessionflow's stage (`--sessionflow-kafka`).
     #[serde(default)]
     pub sessionflow_kafka: Vec<(String, String)>,
+    /// sessionflow's `commitIntervalMs` (1,000 unless the variant says otherwise).
+    #[serde(default = "default_commit_interval_ms")]
+    pub commit_interval_ms: u64,
+    /// sessionflow's `delivery: exactlyOnce` (the `sessionflow-eos` variant).
+    #[serde(default)]
+    pub exactly_once: bool,
+}
+
+fn default_commit_interval_ms() -> u64 {
+    1_000
 }
 
 impl SystemSettings {
@@ -261,9 +305,10 @@ pub async fn start(
 ) -> anyhow::Result<Running> {
     match kind {
         SystemKind::Ceiling => ceiling::start(settings, core),
-        SystemKind::Sessionflow | SystemKind::SessionflowOutput => {
-            sessionflow::start(settings, core).await
-        }
+        SystemKind::Sessionflow
+        | SystemKind::SessionflowOutput
+        | SystemKind::SessionflowEos
+        | SystemKind::SessionflowAlo100 => sessionflow::start(settings, core).await,
         SystemKind::Sequential => sequential::start(settings, core),
         SystemKind::Pool => pool::start(settings, core),
         SystemKind::ParallelConsumer => parallel_consumer::start(settings, core).await,
@@ -322,5 +367,26 @@ mod tests {
             select(&[Sessionflow], &[Sessionflow, ParallelConsumer], false),
             vec![Sessionflow]
         );
+    }
+
+    #[test]
+    fn the_commit_interval_variants_run_only_on_request_next_to_sessionflow() {
+        let all = SystemKind::ALL;
+        assert!(!select(&all, &[], true).contains(&SessionflowEos));
+        assert!(!select(&all, &[], true).contains(&SessionflowAlo100));
+        assert_eq!(
+            select(
+                &all,
+                &[Sessionflow, SessionflowEos, SessionflowAlo100],
+                false
+            ),
+            vec![Sessionflow, SessionflowAlo100, SessionflowEos]
+        );
+        assert_eq!(select(&all, &[SessionflowEos], false), vec![SessionflowEos]);
+        assert_eq!(select(&[Pool], &[SessionflowEos], false), vec![]);
+        assert_eq!(SessionflowEos.sessionflow_commit(), Some((100, true)));
+        assert_eq!(SessionflowAlo100.sessionflow_commit(), Some((100, false)));
+        assert_eq!(Sessionflow.sessionflow_commit(), Some((1_000, false)));
+        assert_eq!(Pool.sessionflow_commit(), None);
     }
 }

@@ -6,7 +6,10 @@
 //! offset, commits contiguous watermarks and runs its own order watchdog. As *sessionflow +
 //! output* (settings with an `output` topic) the handler returns the record's value and the
 //! engine writes it to that topic: a record is done when its output is acknowledged, which is
-//! what a pipeline stage that is not the last one pays. With `telemetry` the
+//! what a pipeline stage that is not the last one pays. The `sessionflow-eos` variant sets
+//! `delivery: exactlyOnce` and a 100 ms commit interval (`sessionflow-alo100`: the same interval,
+//! atLeastOnce); a terminal stage still commits each partition's offsets in a transaction of
+//! its partition's transactional producer. With `telemetry` the
 //! worker binary's tracing setup is installed first, as in a deployed worker, with logging at
 //! `warn`: with no OTLP endpoint and no `traceparent` on the records, no record gets a span.
 
@@ -86,9 +89,11 @@ pub fn stage_config(settings: &SystemSettings) -> StageConfig {
                 max_attempts: 0,
             }),
             stuck: Some(Default::default()),
-            commit_interval_ms: Some(1_000),
+            commit_interval_ms: Some(settings.commit_interval_ms),
             shutdown_timeout_ms: Some(10_000),
-            delivery: None,
+            delivery: settings
+                .exactly_once
+                .then_some(sessionflow_worker::config::Delivery::ExactlyOnce),
         },
         rebalance: Default::default(),
         dispatchers: 8,
@@ -134,4 +139,50 @@ pub async fn start(settings: &SystemSettings, core: Arc<Core>) -> anyhow::Result
         pid: None,
         go: None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sessionflow_worker::config::Delivery;
+
+    fn settings(commit_interval_ms: u64, exactly_once: bool) -> SystemSettings {
+        SystemSettings {
+            brokers: "127.0.0.1:9092".into(),
+            topic: "in".into(),
+            dlq: "dlq".into(),
+            output: None,
+            group: "g".into(),
+            partitions: 8,
+            retry_initial_ms: 1,
+            retry_max_ms: 100,
+            pool_workers: 1,
+            pool_queue: 1,
+            session_idle_ms: 30_000,
+            telemetry: false,
+            fetch_wait_ms: 10,
+            sessionflow_kafka: vec![],
+            commit_interval_ms,
+            exactly_once,
+        }
+    }
+
+    #[test]
+    fn the_stage_takes_the_variants_delivery_and_commit_interval() {
+        let eos = stage_config(&settings(100, true)).settings;
+        assert_eq!(eos.delivery(), Delivery::ExactlyOnce);
+        assert_eq!(eos.commit_interval_ms, Some(100));
+        let alo = stage_config(&settings(1_000, false)).settings;
+        assert_eq!(alo.delivery(), Delivery::AtLeastOnce);
+        assert_eq!(alo.commit_interval_ms, Some(1_000));
+        // What a child reads when the parent sent no such fields: the 1 s atLeastOnce stage.
+        let old: SystemSettings = serde_json::from_value({
+            let mut v = serde_json::to_value(settings(100, true)).unwrap();
+            v.as_object_mut().unwrap().remove("commit_interval_ms");
+            v.as_object_mut().unwrap().remove("exactly_once");
+            v
+        })
+        .unwrap();
+        assert_eq!((old.commit_interval_ms, old.exactly_once), (1_000, false));
+    }
 }
