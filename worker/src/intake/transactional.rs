@@ -25,14 +25,18 @@ use std::sync::Arc;
 
 use crate::commit::offset_map::DoneAbove;
 use crate::commit::offsets::Partition;
+use crate::config::EXACTLY_ONCE_MESSAGE_TIMEOUT_MS;
 use crate::intake::book::{Book, PartitionState, Phase};
 use crate::intake::rebalance::IntakeContext;
 use crate::output::producer::ProducerEvents;
-use crate::output::transactions::{AbortReason, Doom, Strike, Transactions};
+use crate::output::transactions::{AbortReason, Doom, Exclusive, Strike, Transactions};
 use crate::record::Lease;
 
 /// How long a rewind waits for the group's committed offset of the partition.
 const COMMITTED_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a commit or a rewind waits for the write barrier: every write holding a share is
+/// acknowledged, refused or timed out within `message.timeout.ms`; the rest is slack.
+const BARRIER_DEADLINE: Duration = Duration::from_millis(EXACTLY_ONCE_MESSAGE_TIMEOUT_MS + 15_000);
 
 /// Whether a transaction error means another producer has the transactional id (or the
 /// client cannot go on): no abort can help.
@@ -77,7 +81,9 @@ impl IntakeContext {
             // The worker is stopping on a fatal error: nothing is committed any more.
             return book.unsettled(&partitions);
         }
-        let _exclusive = transactions.exclusive();
+        let Some(_exclusive) = self.barrier(transactions) else {
+            return book.unsettled(&partitions);
+        };
         book.apply_ready(&self.metrics);
         let Some(group) = consumer.group_metadata() else {
             return book.unsettled(&partitions);
@@ -185,7 +191,9 @@ impl IntakeContext {
             return;
         }
         // The barrier first: while it waits, the doomed partitions' writes are purged.
-        let _exclusive = transactions.exclusive();
+        let Some(_exclusive) = self.barrier(transactions) else {
+            return;
+        };
         let doomed = transactions.take_doomed();
         for (p, doom) in doomed {
             let owned = book
@@ -287,6 +295,24 @@ impl IntakeContext {
         self.metrics.in_flight.set(book.tracker.in_flight() as i64);
         tracing::info!(partition = p, ?from, "partition rewound to its last commit");
         true
+    }
+
+    /// The write barrier, exclusively, or `None` (and the worker stops: the restart replays
+    /// from the last committed transactions) when it is not released in time.
+    fn barrier(&self, transactions: &Transactions<ProducerEvents>) -> Option<Exclusive> {
+        match transactions.exclusive(BARRIER_DEADLINE) {
+            Ok(exclusive) => Some(exclusive),
+            Err(e) => {
+                self.metrics.fatal_errors.inc();
+                self.health.fail();
+                tracing::error!(
+                    "exactlyOnce: {e}: a write is stuck; the worker stops (the \
+                    restart replays from the last committed transactions)"
+                );
+                self.fatal.cancel();
+                None
+            }
+        }
     }
 
     fn count_abort(&self, reason: AbortReason) {

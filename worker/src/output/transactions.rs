@@ -21,8 +21,9 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{sync_channel, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rdkafka::client::ClientContext;
 use rdkafka::config::ClientConfig;
@@ -30,7 +31,7 @@ use rdkafka::consumer::ConsumerGroupMetadata;
 use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
 use rdkafka::producer::{FutureProducer, Producer};
 use rdkafka::TopicPartitionList;
-use tokio::sync::{OwnedRwLockReadGuard, RwLock, RwLockWriteGuard};
+use tokio::sync::{OwnedRwLockReadGuard, OwnedRwLockWriteGuard, RwLock};
 
 use crate::commit::exactly_once::transactional_id;
 use crate::commit::offsets::{Offset, Partition};
@@ -110,7 +111,13 @@ pub enum Strike {
 /// A write's share of the commit barrier.
 pub type Share = OwnedRwLockReadGuard<()>;
 /// A commit's hold of the barrier: no write is on its way while it lives.
-pub type Exclusive<'a> = RwLockWriteGuard<'a, ()>;
+pub type Exclusive = OwnedRwLockWriteGuard<()>;
+
+/// The barrier was not released in time: a write kept its share past every bound a write has
+/// (`message.timeout.ms`), so the worker stops rather than wait for ever.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the write barrier was not released within {0:?}")]
+pub struct BarrierStuck(pub Duration);
 
 /// The transactional producers of one stage, with client context `C` (the stage's
 /// `ProducerEvents`: a fatal error stops the worker).
@@ -288,27 +295,39 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
         self.barrier.clone().read_owned().await
     }
 
-    /// The barrier, exclusively: waits for every write's share. Blocking; not on the runtime.
+    /// The barrier, exclusively: waits for every write's share, at most `deadline`. Blocking;
+    /// not on the runtime.
     ///
     /// While it waits, the producers of doomed partitions are purged (at once, and as more are
     /// doomed): their writes cannot commit, and librdkafka would keep them — holding their
     /// shares, so this wait — until `message.timeout.ms`. A purged write comes back and waits
     /// for the barrier behind this (see `settle`), then finds its partition rewound.
-    pub fn exclusive(&self) -> Exclusive<'_> {
-        let taken = AtomicBool::new(false);
-        std::thread::scope(|scope| {
-            scope.spawn(|| {
-                while !taken.load(Ordering::Acquire) {
+    ///
+    /// The wait is queued like any writer's (new shares wait behind it) by a thread of its own,
+    /// which a deadline can leave behind: it takes the barrier when the last share goes and lets
+    /// it go at once. Past the deadline no write is still within its own bounds, so waiting on
+    /// would only hang the consumer loop (and a SIGTERM with it).
+    pub fn exclusive(&self, deadline: Duration) -> Result<Exclusive, BarrierStuck> {
+        let (taken, exclusive) = sync_channel(1);
+        let barrier = self.barrier.clone();
+        std::thread::Builder::new()
+            .name("commit-barrier".into())
+            .spawn(move || {
+                let _ = taken.send(futures::executor::block_on(barrier.write_owned()));
+            })
+            .map_err(|_| BarrierStuck(Duration::ZERO))?;
+        let started = Instant::now();
+        loop {
+            match exclusive.recv_timeout(PURGE_DOOMED_EVERY) {
+                Ok(guard) => return Ok(guard),
+                Err(RecvTimeoutError::Timeout) if started.elapsed() < deadline => {
                     if self.any_doomed() {
                         self.purge_doomed();
                     }
-                    std::thread::sleep(PURGE_DOOMED_EVERY);
                 }
-            });
-            let exclusive = self.barrier.blocking_write();
-            taken.store(true, Ordering::Release);
-            exclusive
-        })
+                Err(_) => return Err(BarrierStuck(deadline)),
+            }
+        }
     }
 
     /// Gives up the writes of the doomed partitions' producers.
@@ -403,6 +422,26 @@ mod tests {
 
     fn transactions() -> Transactions<DefaultClientContext> {
         Transactions::new(ClientConfig::new(), "g", "t", DefaultClientContext)
+    }
+
+    #[test]
+    fn a_share_kept_past_the_deadline_is_an_error_not_a_hang_and_the_barrier_recovers() {
+        let t = transactions();
+        let share = futures::executor::block_on(t.share());
+        let short = Duration::from_millis(50);
+        assert_eq!(t.exclusive(short).err(), Some(BarrierStuck(short)));
+        // The waiter left behind is queued: a new share waits for it, gets through once it
+        // has taken and dropped the barrier.
+        drop(share);
+        let again = futures::executor::block_on(t.share());
+        drop(again);
+        let exclusive = t
+            .exclusive(Duration::from_secs(60))
+            .expect("no share is out");
+        // While it is held, no write can take a share.
+        assert!(t.barrier.clone().try_read_owned().is_err());
+        drop(exclusive);
+        assert!(t.barrier.clone().try_read_owned().is_ok());
     }
 
     fn write(record: Offset, epoch: u64) -> Doom {
