@@ -294,9 +294,9 @@ async fn a_frozen_exactly_once_worker_resumed_after_the_takeover_writes_nothing_
 
 /// Scale out and in while records flow, in `exactlyOnce`: every revocation commits the
 /// partition's transaction (after its drain) and closes its producer before the next owner's
-/// init; the read_committed output has every record once, in order per session, and no worker
-/// stops on its own (an abort rewinds its partition; under KIP-848 a transactional offset
-/// commit refused with an outdated member epoch while the assignment changes is such an abort).
+/// init; the read_committed output has every record once, in order per session (an abort
+/// rewinds its partition; under KIP-848 a transactional offset commit refused with an outdated
+/// member epoch while the assignment changes is such an abort).
 async fn scale_out_and_in_exactly_once(strategy: &str) {
     let topics = Topics::create(&format!("eos-scale-{strategy}"), 6).await;
     // Enough that the SIGTERM comes mid-flow on an idle machine too (10,000 were all written
@@ -324,7 +324,7 @@ async fn scale_out_and_in_exactly_once(strategy: &str) {
     second.terminate();
     third.terminate();
     // A worker that stops on its own (a fenced producer still stops one) is replaced, as its
-    // Deployment would; counted, and asserted to be none.
+    // Deployment would, and counted.
     let mut workers = vec![first];
     let mut restarted = 0;
     let deadline = std::time::Instant::now() + Duration::from_secs(180);
@@ -358,7 +358,12 @@ async fn scale_out_and_in_exactly_once(strategy: &str) {
         total as u64,
         "{report}"
     );
-    assert_eq!(restarted, 0, "workers stopped on their own");
+    // Not asserted to be 0: a producer fenced by the partition's next owner still stops a
+    // worker (docs/exactly-once.md, "left"); seen once in a CI rehearsal of the cooperative
+    // run (the first worker, as the other two left). Exactness is asserted above either way.
+    if restarted > 0 {
+        eprintln!("workers stopped on their own and were started again: {restarted}");
+    }
     topics.delete().await;
 }
 
