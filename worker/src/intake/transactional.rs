@@ -85,7 +85,7 @@ impl IntakeContext {
             return book.unsettled(&partitions);
         };
         book.apply_ready(&self.metrics);
-        let Some(group) = consumer.group_metadata() else {
+        let Some(group) = consumer.group_metadata().map(Arc::new) else {
             return book.unsettled(&partitions);
         };
         let mut failed = 0;
