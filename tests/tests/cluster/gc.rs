@@ -6,7 +6,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kube::api::{Api, DeleteParams, ListParams};
 use sessionflow_operator::render::PIPELINE_LABEL;
 
-use crate::{condition, eventually, Env};
+use crate::{eventually, Env};
 
 async fn count<K>(env: &Env, pipeline: &str) -> Result<usize, String>
 where
@@ -34,18 +34,7 @@ async fn deleting_a_pipeline_deletes_its_objects_through_the_garbage_collector()
     Env::run("gc", |env| async move {
         let mut operator = env.operator(None);
         env.create_pipeline(&env.pipeline("doomed", 1, 1)).await;
-        eventually("Ready=True on the pipeline", || async {
-            let sp = env
-                .pipelines()
-                .get("doomed")
-                .await
-                .map_err(|e| e.to_string())?;
-            match condition(&sp, "Ready") {
-                Some((s, _, _)) if s == "True" => Ok(()),
-                other => Err(format!("Ready={other:?}")),
-            }
-        })
-        .await;
+        env.wait_ready("doomed", "Ready=True on the pipeline").await;
         assert_eq!(env.pipeline_deployments("doomed").await.len(), 1);
         assert!(count::<ReplicaSet>(env, "doomed").await.unwrap() >= 1);
         assert_eq!(count::<Pod>(env, "doomed").await.unwrap(), 1);

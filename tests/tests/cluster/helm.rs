@@ -13,7 +13,7 @@ use kube::ResourceExt;
 use sessionflow_operator::crd::SessionPipeline;
 use sessionflow_operator::render::stage_object_name;
 
-use crate::{client_of, condition, eventually, Env, INSTANCE_LABEL, RELEASE};
+use crate::{client_of, eventually, Env, INSTANCE_LABEL, RELEASE};
 
 /// Names of the objects of kind `K` labelled as the release's.
 async fn release_objects<K>(env: &Env) -> Result<Vec<String>, String>
@@ -113,19 +113,9 @@ async fn helm_install_runs_the_operator_and_helm_uninstall_removes_it() {
         let _operator = env.operator(None);
         env.create_pipeline(&env.pipeline("charted", 1, 1)).await;
         let stage = stage_object_name("charted", "work");
-        eventually(
+        env.wait_ready(
+            "charted",
             "the pipeline Ready=True under the release's RBAC",
-            || async {
-                let sp = env
-                    .pipelines()
-                    .get("charted")
-                    .await
-                    .map_err(|e| e.to_string())?;
-                match condition(&sp, "Ready") {
-                    Some((s, _, _)) if s == "True" => Ok(()),
-                    other => Err(format!("Ready={other:?}")),
-                }
-            },
         )
         .await;
         assert!(env.deployments().get_opt(&stage).await.unwrap().is_some());

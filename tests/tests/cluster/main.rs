@@ -416,6 +416,22 @@ impl Env {
         Api::namespaced(self.client.clone(), &self.namespace)
     }
 
+    /// Waits until pipeline `name` says Ready=True (`what` names the wait in its failure).
+    pub async fn wait_ready(&self, name: &str, what: &str) {
+        eventually(what, || async {
+            let sp = self
+                .pipelines()
+                .get(name)
+                .await
+                .map_err(|e| e.to_string())?;
+            match condition(&sp, "Ready") {
+                Some((s, _, _)) if s == "True" => Ok(()),
+                other => Err(format!("Ready={other:?}")),
+            }
+        })
+        .await;
+    }
+
     pub async fn create_pipeline(&self, sp: &SessionPipeline) -> SessionPipeline {
         self.pipelines()
             .create(&PostParams::default(), sp)
