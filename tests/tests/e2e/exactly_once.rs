@@ -43,29 +43,11 @@ fn send(p: &BaseProducer, topic: &str, value: &str) {
 /// What a consumer with `isolation` reads of partition 0 of `topic`, from the start, until
 /// `want` records (then a second more, for extras) or `within`.
 fn read(topic: &str, isolation: &str, want: usize, within: Duration) -> Vec<String> {
-    let c: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
-        .set("group.id", "unused")
-        .set("isolation.level", isolation)
-        .set("enable.auto.commit", "false")
-        .create()
-        .expect("reader");
-    let mut tpl = TopicPartitionList::new();
-    tpl.add_partition_offset(topic, 0, Offset::Beginning)
-        .unwrap();
-    c.assign(&tpl).expect("assign");
-    let mut got = Vec::new();
-    let deadline = Instant::now() + within;
-    let mut extra_until: Option<Instant> = None;
-    while Instant::now() < extra_until.unwrap_or(deadline) {
-        if let Some(Ok(m)) = c.poll(Duration::from_millis(100)) {
-            got.push(String::from_utf8_lossy(m.payload().unwrap_or_default()).into_owned());
-        }
-        if got.len() >= want && extra_until.is_none() {
-            extra_until = Some(Instant::now() + Duration::from_secs(1));
-        }
-    }
-    got
+    let extra = Duration::from_secs(1);
+    consume(topic, isolation, 1, want, within, extra)
+        .into_iter()
+        .map(|(v, _)| v)
+        .collect()
 }
 
 fn committed(group: &str, topic: &str) -> (i64, String) {
@@ -449,11 +431,26 @@ fn read_all(
     want: usize,
     within: Duration,
 ) -> Vec<(String, Option<String>)> {
+    let extra = Duration::from_secs(2);
+    consume(topic, "read_committed", partitions, want, within, extra)
+}
+
+/// What a consumer with `isolation` reads of `topic`'s first `partitions` from the start: until
+/// `want` records, then `extra` more time, or `within`. Values with their
+/// `sessionflow-dlq-reason` header if any.
+fn consume(
+    topic: &str,
+    isolation: &str,
+    partitions: i32,
+    want: usize,
+    within: Duration,
+    extra: Duration,
+) -> Vec<(String, Option<String>)> {
     use rdkafka::message::Headers;
     let c: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers())
         .set("group.id", "unused")
-        .set("isolation.level", "read_committed")
+        .set("isolation.level", isolation)
         .set("enable.auto.commit", "false")
         .create()
         .expect("reader");
@@ -478,7 +475,7 @@ fn read_all(
             got.push((v, reason));
         }
         if got.len() >= want && extra_until.is_none() {
-            extra_until = Some(Instant::now() + Duration::from_secs(2));
+            extra_until = Some(Instant::now() + extra);
         }
     }
     got
