@@ -336,19 +336,23 @@ impl Runner {
         if self.view.as_ref() == Some(&view) {
             return;
         }
-        let patch = json!({ "status": view.status() });
-        match self
-            .pods()
-            .patch_status(
-                &self.pod.name_any(),
-                &PatchParams::default(),
-                &Patch::Merge(&patch),
-            )
-            .await
-        {
-            Ok(_) => self.view = Some(view),
-            Err(e) => eprintln!("test-kubelet: status of {}: {e}", self.pod.name_any()),
+        if self.patch_status(&view).await {
+            self.view = Some(view);
         }
+    }
+
+    /// Writes `view` as the pod's status; false (and said on stderr) when the API refused it.
+    async fn patch_status(&self, view: &PodView) -> bool {
+        let patch = json!({ "status": view.status() });
+        let name = self.pod.name_any();
+        let patched = self
+            .pods()
+            .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await;
+        if let Err(e) = &patched {
+            eprintln!("test-kubelet: status of {name}: {e}");
+        }
+        patched.is_ok()
     }
 
     /// A pod whose containers cannot be mapped: Pending, each container waiting with why.
@@ -374,18 +378,7 @@ impl Runner {
             ready: false,
             ready_since: self.start_time.clone(),
         };
-        let patch = json!({ "status": view.status() });
-        if let Err(e) = self
-            .pods()
-            .patch_status(
-                &self.pod.name_any(),
-                &PatchParams::default(),
-                &Patch::Merge(&patch),
-            )
-            .await
-        {
-            eprintln!("test-kubelet: status of {}: {e}", self.pod.name_any());
-        }
+        self.patch_status(&view).await;
     }
 
     /// SIGTERM to every process, SIGKILL to what is left after `grace`.
