@@ -44,10 +44,8 @@ pub const CRD_NAME: &str = "sessionpipelines.sessionflow.io";
     printcolumn(name = "Stages", type_ = "string", json_path = ".status.stagesReady"),
     printcolumn(name = "Lag", type_ = "integer", json_path = ".status.lag"),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
-    validation = Rule::new(
-        "self.spec.stages.all(s, size(self.metadata.name) + size(s.name) <= 54)"
-    )
-    .message("metadata.name and a stage name together must not exceed 54 characters (object names are <pipeline>-<stage>-metrics, at most 63)")
+    validation = Rule::new("size(self.metadata.name) <= 63")
+        .message("metadata.name must not exceed 63 characters (it is a label value on every object of the pipeline)")
 )]
 #[serde(rename_all = "camelCase")]
 #[x_kube(

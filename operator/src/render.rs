@@ -84,8 +84,11 @@ pub fn service_name(pipeline: &str, stage: &str) -> String {
     unique_name(pipeline, stage, "-metrics")
 }
 
-/// A DNS-1123 label (at most 63 characters) unique per (pipeline, stage): the readable part is
-/// shortened when needed, the hash and the suffix never are.
+/// A DNS-1035 label (at most 63 characters, a letter first: what a Service name must be)
+/// unique per (pipeline, stage). The readable part is the pipeline and stage names, with the
+/// pipeline's dots made dashes and `sf-` before a leading digit (a pipeline's name is a DNS
+/// subdomain), shortened when needed; the hash, of the names as they are, and the suffix never
+/// are.
 fn unique_name(pipeline: &str, stage: &str, suffix: &str) -> String {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
     for byte in pipeline.bytes().chain([0]).chain(stage.bytes()) {
@@ -94,8 +97,11 @@ fn unique_name(pipeline: &str, stage: &str, suffix: &str) -> String {
     }
     let hash = format!("{:08x}", (hash ^ (hash >> 32)) as u32);
     let room = 63 - 1 - hash.len() - suffix.len();
-    let readable = format!("{pipeline}-{stage}");
-    let readable = readable[..readable.len().min(room)].trim_end_matches(['-', '.']);
+    let mut readable = format!("{pipeline}-{stage}").replace('.', "-");
+    if !readable.starts_with(|c: char| c.is_ascii_lowercase()) {
+        readable.insert_str(0, "sf-");
+    }
+    let readable = readable[..readable.len().min(room)].trim_end_matches('-');
     format!("{readable}-{hash}{suffix}")
 }
 
@@ -1160,13 +1166,14 @@ sidecars:
 
     proptest::proptest! {
         #[test]
-        fn names_are_dns_labels_unique_per_pipeline_and_stage(
-            p1 in "[a-z0-9]([a-z0-9-]{0,50}[a-z0-9])?",
-            s1 in "[a-z0-9]([a-z0-9-]{0,50}[a-z0-9])?",
-            p2 in "[a-z0-9]([a-z0-9-]{0,50}[a-z0-9])?",
-            s2 in "[a-z0-9]([a-z0-9-]{0,50}[a-z0-9])?",
+        fn names_are_dns_1035_labels_unique_per_pipeline_and_stage(
+            // Pipelines are DNS subdomains (dots, a leading digit), stages DNS-1123 labels.
+            p1 in "[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?",
+            s1 in "[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?",
+            p2 in "[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?",
+            s2 in "[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?",
         ) {
-            let label = regex_lite_dns_label;
+            let label = is_dns_1035_label;
             for name in [stage_object_name(&p1, &s1), service_name(&p1, &s1)] {
                 proptest::prop_assert!(label(&name), "{name}");
             }
@@ -1177,14 +1184,15 @@ sidecars:
         }
     }
 
-    fn regex_lite_dns_label(name: &str) -> bool {
+    /// A DNS-1035 label, what a Service name must be (and a DNS-1123 label too).
+    fn is_dns_1035_label(name: &str) -> bool {
         let bytes = name.as_bytes();
         !name.is_empty()
             && name.len() <= 63
             && bytes
                 .iter()
                 .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-')
-            && bytes[0].is_ascii_alphanumeric()
+            && bytes[0].is_ascii_lowercase()
             && bytes[bytes.len() - 1].is_ascii_alphanumeric()
     }
 
@@ -1193,7 +1201,7 @@ sidecars:
         let (p, s) = ("p".repeat(60), "s".repeat(60));
         let name = stage_object_name(&p, &s);
         assert_eq!(name.len(), 63);
-        assert!(regex_lite_dns_label(&service_name(&p, &s)));
+        assert!(is_dns_1035_label(&service_name(&p, &s)));
         assert!(service_name(&p, &s).ends_with("-metrics"));
         assert_ne!(name, stage_object_name(&p, &"s".repeat(59)));
     }

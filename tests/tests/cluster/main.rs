@@ -27,6 +27,7 @@ mod gc;
 mod helm;
 mod kubelet;
 mod leader;
+mod names;
 mod reconcile;
 
 use std::future::Future;

@@ -308,9 +308,9 @@ async fn invalid_pipelines_are_rejected_with_a_message_naming_the_field() {
             ],
         ),
         (
-            "names too long",
-            |v| v["metadata"]["name"] = json!("p".repeat(54)),
-            &["must not exceed 54 characters"],
+            "name too long",
+            |v| v["metadata"]["name"] = json!("p".repeat(64)),
+            &["metadata.name must not exceed 63 characters"],
         ),
     ];
     let mut failures = Vec::new();
