@@ -7,7 +7,7 @@
 #       resolve org.apache.kafka:kafka_2.13:$KAFKA_VERSION and its dependencies (plus a log4j2
 #       binding) into ~/.cache/sessionflow/kafka-<version>/libs, compile the readiness probe;
 #       idempotent (a second call does nothing), ~10 s with a warm Maven cache
-#   scripts/kafka.sh start --port P [--nodes N] [--sasl-ssl] [--proxied]
+#   scripts/kafka.sh start --port P [--nodes N] [--sasl-ssl] [--proxied] [--set KEY=VALUE]…
 #       start N (default 1) combined broker+controller nodes on 127.0.0.1, node i (0-based) on
 #         P+4i    its client listener (PLAINTEXT; SASL_SSL with --sasl-ssl)
 #         P+4i+1  its controller listener
@@ -20,6 +20,8 @@
 #       --sasl-ssl: the client listener speaks SASL_SSL with SCRAM-SHA-512 and a certificate
 #       signed by a CA made here; the CA, the users and a client properties file are in
 #       $(state P)/secure/ (`scripts/kafka.sh secure-dir --port P` prints the folder).
+#       --set KEY=VALUE: a broker setting of every node, over this script's (a test of a
+#       misconfigured broker); repeatable.
 #   scripts/kafka.sh stop --port P       stop the nodes started with that port, delete their data
 #   scripts/kafka.sh status --port P     exit 0 when node 0's client port answers
 #   scripts/kafka.sh pid --port P --node I   print node I's pid (faults: kill, SIGSTOP)
@@ -104,6 +106,7 @@ NODES=1
 SASL_SSL=0
 PROXIED=0
 NODE=""
+SETTINGS=()
 parse() {
   while (($#)); do
     case "$1" in
@@ -112,6 +115,9 @@ parse() {
       --node) NODE=$2; shift 2 ;;
       --sasl-ssl) SASL_SSL=1; shift ;;
       --proxied) PROXIED=1; shift ;;
+      --set)
+        [[ ${2:-} =~ ^[a-z][a-z0-9._-]*=.*$ ]] || { say "--set needs KEY=VALUE, not '${2:-}'"; exit 2; }
+        SETTINGS+=("$2"); shift 2 ;;
       *) say "unknown argument $1"; exit 2 ;;
     esac
   done
@@ -218,6 +224,9 @@ write_config() {
       echo "ssl.keystore.password=keystore-pass"
       echo "ssl.key.password=keystore-pass"
     fi
+    # Last: a later line of a properties file wins.
+    local setting
+    for setting in "${SETTINGS[@]}"; do echo "$setting"; done
   } >"$dir/server.properties"
 }
 
@@ -347,5 +356,5 @@ case "${1:-}" in
     node_alive "${NODE:?--node I}" && die "node $NODE still runs"
     launch_node "$NODE"
     ;;
-  *) echo "usage: $0 install | start --port P [--nodes N] [--sasl-ssl] [--proxied] | stop --port P | status --port P" >&2; exit 2 ;;
+  *) echo "usage: $0 install | start --port P [--nodes N] [--sasl-ssl] [--proxied] [--set KEY=VALUE]… | stop --port P | status --port P" >&2; exit 2 ;;
 esac

@@ -505,6 +505,11 @@ impl WorkerProcess {
         self.child.try_wait().expect("wait").is_none()
     }
 
+    /// How the process ended, once it has.
+    pub fn exit_status(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().expect("wait")
+    }
+
     /// SIGSTOP: the whole process freezes (heartbeats included), as a stalled node would.
     pub fn pause(&self) {
         self.signal("-STOP");

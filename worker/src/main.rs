@@ -132,12 +132,18 @@ async fn wait_for_signal() {
     let _ = ctrl_c.await;
 }
 
+/// Exit 2 when the brokers refuse what the config asks (exactlyOnce's transactions), as for a
+/// bad config: a restart will not help.
 fn report(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+            if e.is::<sessionflow_worker::output::transaction_probe::Refused>() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }

@@ -27,6 +27,7 @@ use crate::intake::{consumer_config, IntakeLoop, IntakeSettings, IntakeTokens};
 use crate::ops::health::{self, Health};
 use crate::ops::metrics::Metrics;
 use crate::output::producer::{producer_config, ProducerEvents, StageProducer};
+use crate::output::transaction_probe::{probe_id, until_answered};
 use crate::output::transactions::Transactions;
 use crate::session::task::SessionContext;
 
@@ -134,6 +135,7 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
     metrics.eos_enabled.set(i64::from(
         config.settings.delivery() == Delivery::ExactlyOnce,
     ));
+    let mut probe = None;
     let transactions = (config.settings.delivery() == Delivery::ExactlyOnce).then(|| {
         let mut c = producer_config(&config.brokers, &extra);
         c.set(
@@ -144,6 +146,7 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
             "transaction.timeout.ms",
             EXACTLY_ONCE_TRANSACTION_TIMEOUT_MS.to_string(),
         );
+        probe = Some((c.clone(), probe_id(&config.group_id(), &config.input)));
         Arc::new(Transactions::new(
             c,
             &config.group_id(),
@@ -252,9 +255,22 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         metrics.sessions.clone(),
         server_stop.clone(),
     ));
+    // In exactlyOnce, the brokers are asked first whether they take the stage's transactions
+    // (`transaction_probe`): the worker joins its group only once they do.
+    let (probe_health, probe_stop) = (health.clone(), stop.clone());
     let thread = std::thread::Builder::new()
         .name(format!("intake-{}", config.stage))
-        .spawn(move || intake.run())?;
+        .spawn(move || -> anyhow::Result<()> {
+            if let Some((config, id)) = probe {
+                let timeout_ms = EXACTLY_ONCE_TRANSACTION_TIMEOUT_MS;
+                let stopped = || probe_stop.is_cancelled();
+                until_answered(&config, &id, timeout_ms, &probe_health, stopped)?;
+                if stopped() {
+                    return Ok(());
+                }
+            }
+            Ok(intake.run()?)
+        })?;
 
     let summary = metrics.clone();
     let closing = producer.clone();
@@ -270,7 +286,7 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
         let _ = tokio::task::spawn_blocking(move || lag_thread.join()).await;
         summary.log();
         match joined {
-            Ok(result) => result.map_err(anyhow::Error::from),
+            Ok(result) => result,
             Err(_) => Err(anyhow::anyhow!("the consumer loop panicked")),
         }
     });

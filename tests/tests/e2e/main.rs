@@ -26,6 +26,7 @@ mod secured;
 mod shutdown;
 mod stuck;
 mod trace_context;
+mod transaction_probe;
 mod truncation;
 
 use sessionflow_tests::{brokers, Topics};

@@ -3,8 +3,10 @@
 //! [`producer`] writes output records and dead letters and reports the broker's answer; [`dlq`]
 //! says what a dead letter carries. When a record counts as done is the session's business
 //! (`session::settle`), not the producer's. In `exactlyOnce` every write goes through the
-//! transactional producer of its record's input partition ([`transactions`]).
+//! transactional producer of its record's input partition ([`transactions`]), once
+//! [`transaction_probe`] has found that the brokers take them.
 
 pub mod dlq;
 pub mod producer;
+pub mod transaction_probe;
 pub mod transactions;
