@@ -139,8 +139,8 @@ pub async fn run(args: WorkloadArgs) -> anyhow::Result<()> {
         telemetry: args.telemetry,
         fetch_wait_ms: 10,
         sessionflow_kafka: args.sessionflow_kafka.clone(),
-        commit_interval_ms: args.system.sessionflow_commit().map_or(1_000, |(ms, _)| ms),
-        exactly_once: args.system.sessionflow_commit().is_some_and(|(_, eos)| eos),
+        commit_interval_ms: args.system.commit().map_or(1_000, |(ms, _)| ms),
+        exactly_once: args.system.commit().is_some_and(|(_, eos)| eos),
     };
     let core = Arc::new(Core::new(
         HandlerSpec::default(),

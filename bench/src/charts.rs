@@ -25,6 +25,7 @@ pub fn colour(kind: SystemKind) -> RGBColor {
         SystemKind::Sequential => RGBColor(214, 39, 40),
         SystemKind::Pool => RGBColor(255, 127, 14),
         SystemKind::ParallelConsumer => RGBColor(148, 103, 189),
+        SystemKind::ParallelConsumerTx => RGBColor(227, 119, 194),
     }
 }
 

@@ -265,7 +265,7 @@ async fn main() -> anyhow::Result<()> {
         notes = Some(format!("{failed}{}", notes.unwrap_or_default()));
     }
     let existing = std::fs::read_to_string(&cli.out).ok();
-    if cli.systems.contains(&systems::SystemKind::ParallelConsumer) {
+    if cli.systems.iter().any(|s| s.is_parallel_consumer()) {
         // On request, not the full benchmark: its own section, the rest of the file kept.
         let full = report::markdown(&env, &outcomes, growth_md, failed.as_deref());
         let section = pc_report::section(&full, &cli.results_dir.display().to_string());

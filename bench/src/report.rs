@@ -517,7 +517,18 @@ fn ratios_table(outcomes: &[Outcome], md: &mut String) {
         let _ = writeln!(md, "| {:?} |{cells}", o.scenario.id);
     }
     md.push('\n');
-    parallel_consumer_table(outcomes, md);
+    parallel_consumer_table(
+        outcomes,
+        md,
+        SystemKind::Sessionflow,
+        SystemKind::ParallelConsumer,
+    );
+    parallel_consumer_table(
+        outcomes,
+        md,
+        SystemKind::SessionflowEos,
+        SystemKind::ParallelConsumerTx,
+    );
 }
 
 /// A system's name in a ratio's column head.
@@ -531,9 +542,9 @@ fn short_label(kind: SystemKind) -> &'static str {
     }
 }
 
-/// sessionflow against the Parallel Consumer on every measure, where both ran.
-fn parallel_consumer_table(outcomes: &[Outcome], md: &mut String) {
-    let (sf, pc) = (SystemKind::Sessionflow, SystemKind::ParallelConsumer);
+/// sessionflow (`sf`) against the Parallel Consumer (`pc`) on every measure, where both ran:
+/// each in its default commit, or exactlyOnce against PC's transactional mode.
+fn parallel_consumer_table(outcomes: &[Outcome], md: &mut String, sf: SystemKind, pc: SystemKind) {
     let both: Vec<&Outcome> = outcomes
         .iter()
         .filter(|o| o.system(sf).is_some() && o.system(pc).is_some())
@@ -543,13 +554,15 @@ fn parallel_consumer_table(outcomes: &[Outcome], md: &mut String) {
     }
     let _ = writeln!(
         md,
-        "## sessionflow against the Parallel Consumer\n\n\
-         Each cell is sessionflow's number ÷ the Parallel Consumer's (KEY ordering), from the \
+        "## {} against the {}\n\n\
+         Each cell is sessionflow's number ÷ the Parallel Consumer's, from the \
          tables above: throughput above 1× is sessionflow faster; latency, CPU and RSS below 1× \
          are sessionflow lower; — where a percentile of PC's paced run is beyond that run's \
          cap (it did not keep up). CPU and RSS are of the backlog run (each system's whole \
          process: the engine in this harness's child, PC in its JVM).\n\n\
-         | scenario | throughput | p50 | p99 | CPU s | peak RSS |\n|---|---:|---:|---:|---:|---:|"
+         | scenario | throughput | p50 | p99 | CPU s | peak RSS |\n|---|---:|---:|---:|---:|---:|",
+        sf.label(),
+        pc.label(),
     );
     for o in both {
         let paced = |k| o.system(k).and_then(|s| s.paced.as_ref());
@@ -706,6 +719,18 @@ pub fn markdown(
             PC_VERSION = crate::systems::parallel_consumer::PC_VERSION,
             PC_KAFKA_CLIENTS = crate::systems::parallel_consumer::PC_KAFKA_CLIENTS,
         ));
+    }
+    if outcomes
+        .iter()
+        .any(|o| o.system(SystemKind::ParallelConsumerTx).is_some())
+    {
+        md.push_str(
+            "- **Parallel Consumer (KEY, transactional, 100 ms)** (on request: \
+             `parallel-consumer-tx`): the same, in its transactional commit mode \
+             (`PERIODIC_TRANSACTIONAL_PRODUCER`: one producer of transactional id \
+             `<group>.pc-tx`, the offsets sent with a transaction every 100 ms, the consumer \
+             reading `read_committed`), next to *sessionflow (exactlyOnce, 100 ms)*.\n",
+        );
     }
     if outcomes
         .iter()

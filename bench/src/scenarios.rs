@@ -630,14 +630,14 @@ fn spec(
             fetch_wait_ms: opts.fetch_wait_ms,
             sessionflow_kafka: opts.sessionflow_kafka.clone(),
             commit_interval_ms: match system {
-                SystemKind::SessionflowEos | SystemKind::SessionflowAlo100 => {
-                    opts.variant_commit_interval_ms
-                }
+                SystemKind::SessionflowEos
+                | SystemKind::SessionflowAlo100
+                | SystemKind::ParallelConsumerTx => opts.variant_commit_interval_ms,
                 _ => None,
             }
-            .or(system.sessionflow_commit().map(|(ms, _)| ms))
+            .or(system.commit().map(|(ms, _)| ms))
             .unwrap_or(1_000),
-            exactly_once: system.sessionflow_commit().is_some_and(|(_, eos)| eos),
+            exactly_once: system.commit().is_some_and(|(_, eos)| eos),
         },
         // The ceiling does no processing: no simulated I/O, no faults.
         handler: if system == SystemKind::Ceiling {

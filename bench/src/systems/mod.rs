@@ -24,7 +24,9 @@
 //!   exactlyOnce is read at equal commit intervals;
 //! - [`parallel_consumer`] (on request: `--systems …,parallel-consumer`): the Confluent Parallel
 //!   Consumer in KEY ordering, a JVM of its own that this child starts and reads its
-//!   measurements from (the one system not in the child's own process).
+//!   measurements from (the one system not in the child's own process); and, on request
+//!   (`parallel-consumer-tx`), the same in its transactional commit mode at a 100 ms commit
+//!   interval, the row to read next to *sessionflow (exactlyOnce)*.
 
 pub mod ceiling;
 pub mod parallel_consumer;
@@ -70,6 +72,9 @@ pub enum SystemKind {
     /// The Confluent Parallel Consumer, KEY ordering (not in [`SystemKind::ALL`]: on request,
     /// it needs Java and Maven).
     ParallelConsumer,
+    /// The Parallel Consumer in its transactional commit mode (`PERIODIC_TRANSACTIONAL_PRODUCER`)
+    /// at a 100 ms commit interval (on request), next to sessionflow's exactlyOnce.
+    ParallelConsumerTx,
 }
 
 impl SystemKind {
@@ -82,7 +87,7 @@ impl SystemKind {
     ];
 
     /// Every system, in the order reports and charts list them.
-    pub const EVERY: [SystemKind; 8] = [
+    pub const EVERY: [SystemKind; 9] = [
         SystemKind::Ceiling,
         SystemKind::Sessionflow,
         SystemKind::SessionflowOutput,
@@ -91,6 +96,7 @@ impl SystemKind {
         SystemKind::Sequential,
         SystemKind::Pool,
         SystemKind::ParallelConsumer,
+        SystemKind::ParallelConsumerTx,
     ];
 
     pub fn label(self) -> &'static str {
@@ -103,17 +109,25 @@ impl SystemKind {
             Self::Sequential => "per-partition sequential",
             Self::Pool => "flat worker pool",
             Self::ParallelConsumer => "Parallel Consumer (KEY)",
+            Self::ParallelConsumerTx => "Parallel Consumer (KEY, transactional, 100 ms)",
         }
     }
 
-    /// The commit interval and delivery of a sessionflow variant: `None` for the others.
-    pub fn sessionflow_commit(self) -> Option<(u64, bool)> {
+    /// The commit interval and whether the commits are transactional, of sessionflow's
+    /// variants and the Parallel Consumer's: `None` for the others.
+    pub fn commit(self) -> Option<(u64, bool)> {
         match self {
             Self::Sessionflow | Self::SessionflowOutput => Some((1_000, false)),
             Self::SessionflowAlo100 => Some((100, false)),
-            Self::SessionflowEos => Some((100, true)),
+            Self::SessionflowEos | Self::ParallelConsumerTx => Some((100, true)),
+            Self::ParallelConsumer => Some((1_000, false)),
             _ => None,
         }
+    }
+
+    /// The Parallel Consumer, in either commit mode.
+    pub fn is_parallel_consumer(self) -> bool {
+        matches!(self, Self::ParallelConsumer | Self::ParallelConsumerTx)
     }
 
     pub fn short(self) -> &'static str {
@@ -126,6 +140,7 @@ impl SystemKind {
             Self::Sequential => "sequential",
             Self::Pool => "pool",
             Self::ParallelConsumer => "parallel-consumer",
+            Self::ParallelConsumerTx => "parallel-consumer-tx",
         }
     }
 }
@@ -137,7 +152,6 @@ impl SystemKind {
 /// only those named in `only` (all when empty; `with_output` keeps sessionflow + output in).
 pub fn select(defaults: &[SystemKind], only: &[SystemKind], with_output: bool) -> Vec<SystemKind> {
     let output = SystemKind::SessionflowOutput;
-    let pc = SystemKind::ParallelConsumer;
     let mut systems = Vec::with_capacity(defaults.len() + 2);
     for &s in defaults {
         systems.push(s);
@@ -155,8 +169,13 @@ pub fn select(defaults: &[SystemKind], only: &[SystemKind], with_output: bool) -
             }
         }
     }
-    if only.contains(&pc) && defaults.contains(&SystemKind::Sequential) && !systems.contains(&pc) {
-        systems.push(pc);
+    for pc in [SystemKind::ParallelConsumer, SystemKind::ParallelConsumerTx] {
+        if only.contains(&pc)
+            && defaults.contains(&SystemKind::Sequential)
+            && !systems.contains(&pc)
+        {
+            systems.push(pc);
+        }
     }
     if !only.is_empty() {
         systems.retain(|s| only.contains(s) || (with_output && *s == output));
@@ -188,10 +207,12 @@ pub struct SystemSettings {
     /// Extra librdkafka properties for sessionflow's stage (`--sessionflow-kafka`).
     #[serde(default)]
     pub sessionflow_kafka: Vec<(String, String)>,
-    /// sessionflow's `commitIntervalMs` (1,000 unless the variant says otherwise).
+    /// sessionflow's `commitIntervalMs`, the Parallel Consumer's `commitInterval` (1,000 unless
+    /// the variant says otherwise).
     #[serde(default = "default_commit_interval_ms")]
     pub commit_interval_ms: u64,
-    /// sessionflow's `delivery: exactlyOnce` (the `sessionflow-eos` variant).
+    /// sessionflow's `delivery: exactlyOnce` (the `sessionflow-eos` variant), the Parallel
+    /// Consumer's transactional commit mode (`parallel-consumer-tx`).
     #[serde(default)]
     pub exactly_once: bool,
 }
@@ -311,7 +332,9 @@ pub async fn start(
         | SystemKind::SessionflowAlo100 => sessionflow::start(settings, core).await,
         SystemKind::Sequential => sequential::start(settings, core),
         SystemKind::Pool => pool::start(settings, core),
-        SystemKind::ParallelConsumer => parallel_consumer::start(settings, core).await,
+        SystemKind::ParallelConsumer | SystemKind::ParallelConsumerTx => {
+            parallel_consumer::start(settings, core).await
+        }
     }
 }
 
@@ -384,9 +407,11 @@ mod tests {
         );
         assert_eq!(select(&all, &[SessionflowEos], false), vec![SessionflowEos]);
         assert_eq!(select(&[Pool], &[SessionflowEos], false), vec![]);
-        assert_eq!(SessionflowEos.sessionflow_commit(), Some((100, true)));
-        assert_eq!(SessionflowAlo100.sessionflow_commit(), Some((100, false)));
-        assert_eq!(Sessionflow.sessionflow_commit(), Some((1_000, false)));
-        assert_eq!(Pool.sessionflow_commit(), None);
+        assert_eq!(SessionflowEos.commit(), Some((100, true)));
+        assert_eq!(SessionflowAlo100.commit(), Some((100, false)));
+        assert_eq!(Sessionflow.commit(), Some((1_000, false)));
+        assert_eq!(ParallelConsumer.commit(), Some((1_000, false)));
+        assert_eq!(ParallelConsumerTx.commit(), Some((100, true)));
+        assert_eq!(Pool.commit(), None);
     }
 }

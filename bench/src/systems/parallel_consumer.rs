@@ -158,7 +158,19 @@ pub async fn start(settings: &SystemSettings, core: Arc<Core>) -> anyhow::Result
         ("sessions", core.sessions().to_string()),
         ("max_concurrency", concurrency.to_string()),
         ("fetch_wait_ms", settings.fetch_wait_ms.to_string()),
-        ("commit_interval_ms", "1000".to_string()),
+        (
+            "commit_interval_ms",
+            settings.commit_interval_ms.to_string(),
+        ),
+        (
+            "commit_mode",
+            if settings.exactly_once {
+                "transactional"
+            } else {
+                "async"
+            }
+            .to_string(),
+        ),
         ("io_ms", spec.io_ms.to_string()),
         ("transient_rate", spec.transient_rate.to_string()),
         ("seed", spec.seed.to_string()),

@@ -19,6 +19,9 @@
  *                                    then the histograms' buckets that grew since the last S
  *                                    line, as bucket:delta pairs
  * and on stdin (from it): `GO <µs>` (the paced load started), `STOP` (close and exit).
+ *
+ * commit_mode=async (the default) commits with PC's default, periodic asynchronous consumer
+ * commits; commit_mode=transactional with its transactional mode (PERIODIC_TRANSACTIONAL_PRODUCER).
  */
 package sessionflow.bench;
 
@@ -48,7 +51,10 @@ import org.apache.kafka.clients.consumer.ConsumerConfig;
 import org.apache.kafka.clients.consumer.ConsumerRecord;
 import org.apache.kafka.clients.consumer.KafkaConsumer;
 import org.apache.kafka.common.header.Header;
+import org.apache.kafka.clients.producer.KafkaProducer;
+import org.apache.kafka.clients.producer.ProducerConfig;
 import org.apache.kafka.common.serialization.ByteArrayDeserializer;
+import org.apache.kafka.common.serialization.ByteArraySerializer;
 
 public final class ParallelConsumerBench {
     /** bench/src/measurement.rs: 64 sub-buckets per octave, 40 octaves. */
@@ -239,11 +245,26 @@ public final class ParallelConsumerBench {
         props.put(ConsumerConfig.FETCH_MAX_WAIT_MS_CONFIG, args.getOrDefault("fetch_wait_ms", "10"));
         props.put(ConsumerConfig.KEY_DESERIALIZER_CLASS_CONFIG, ByteArrayDeserializer.class.getName());
         props.put(ConsumerConfig.VALUE_DESERIALIZER_CLASS_CONFIG, ByteArrayDeserializer.class.getName());
+        // commit_mode=transactional: PC's transactional mode, offsets sent with a transaction of
+        // its one producer every commit interval; the consumer reads committed data only.
+        boolean transactional = args.getOrDefault("commit_mode", "async").equals("transactional");
+        if (transactional) props.put(ConsumerConfig.ISOLATION_LEVEL_CONFIG, "read_committed");
         KafkaConsumer<byte[], byte[]> consumer = new KafkaConsumer<>(props);
-        ParallelConsumerOptions<byte[], byte[]> options = ParallelConsumerOptions.<byte[], byte[]>builder()
-                .consumer(consumer)
+        ParallelConsumerOptions.ParallelConsumerOptionsBuilder<byte[], byte[]> builder =
+                ParallelConsumerOptions.<byte[], byte[]>builder().consumer(consumer);
+        if (transactional) {
+            Properties p = new Properties();
+            p.put(ProducerConfig.BOOTSTRAP_SERVERS_CONFIG, args.get("brokers"));
+            p.put(ProducerConfig.TRANSACTIONAL_ID_CONFIG, args.get("group") + ".pc-tx");
+            p.put(ProducerConfig.KEY_SERIALIZER_CLASS_CONFIG, ByteArraySerializer.class.getName());
+            p.put(ProducerConfig.VALUE_SERIALIZER_CLASS_CONFIG, ByteArraySerializer.class.getName());
+            builder = builder.producer(new KafkaProducer<>(p))
+                    .commitMode(CommitMode.PERIODIC_TRANSACTIONAL_PRODUCER);
+        } else {
+            builder = builder.commitMode(CommitMode.PERIODIC_CONSUMER_ASYNCHRONOUS);
+        }
+        ParallelConsumerOptions<byte[], byte[]> options = builder
                 .ordering(ProcessingOrder.KEY)
-                .commitMode(CommitMode.PERIODIC_CONSUMER_ASYNCHRONOUS)
                 .commitInterval(Duration.ofMillis(Long.parseLong(args.getOrDefault("commit_interval_ms", "1000"))))
                 .maxConcurrency(Integer.parseInt(args.get("max_concurrency")))
                 .retryDelayProvider(this::retryDelay)
