@@ -24,10 +24,8 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use rdkafka::ClientConfig;
-use sessionflow_tests::{
-    committed_offsets_on, end_offsets_on, unique, wait_until, ScriptCluster, Topics, WorkerProcess,
-};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use sessionflow_tests::{unique, wait_until, ScriptCluster, Topics, WorkerProcess};
 use sessionflow_tools::verify::{self, read_topic, SeqRecord, VerifyOptions};
 use sessionflow_worker::config::BuiltinHandlerConfig;
 use sessionflow_worker::handler::builtin::BuiltinHandler;
@@ -107,36 +105,33 @@ async fn an_exactly_once_stage_on_three_nodes_survives_a_join_a_freeze_a_kill_an
             m.stable && !m.names.contains(&"worker-b".to_string())
         })
         .await;
-    // C stopped: it drains, commits what it can and leaves.
+    // C stopped: it drains, commits what it can and leaves. From here on a worker that is
+    // gone is replaced, as its Deployment would (A may have stopped on a fence, see above).
     let c_status = c.terminate();
     let mut workers = vec![a];
-    if !workers[0].running() {
-        workers.push(WorkerProcess::spawn(&yaml("worker-d")));
-    }
-    run.step("worker-c stopped", at, |m| m.stable && !m.names.is_empty())
-        .await;
-
-    // The input stops; the workers left drain it (one more if none is left).
-    let total = input.stop().await;
     let mut spares = 0;
-    let mut last = (Vec::new(), Vec::new());
-    let drained = wait_until(Duration::from_secs(180), || {
+    let mut keep_one = || {
         if !workers.iter_mut().any(|w| w.running()) {
             spares += 1;
             workers.push(WorkerProcess::spawn(&yaml(&format!("spare-{spares}"))));
         }
-        last = (
-            committed_offsets_on(&brokers, &topics.group, &topics.input),
-            end_offsets_on(&brokers, &topics.input),
-        );
-        last.0 == last.1
+    };
+    run.step_with("worker-c stopped", at, |m| m.stable, &mut keep_one)
+        .await;
+
+    // The input stops; the workers left drain it.
+    let total = input.stop().await;
+    let mut last = None;
+    let drained = wait_until(Duration::from_secs(180), || {
+        keep_one();
+        last = run.offsets().or(last.take());
+        last.as_ref()
+            .is_some_and(|(committed, end)| committed == end)
     })
     .await;
     assert!(
         drained.is_ok(),
-        "committed {:?} never reached the end offsets {:?}",
-        last.0,
-        last.1
+        "committed never reached the end offsets within 180 s: (committed, end) {last:?}"
     );
     for mut w in workers {
         if w.running() {
@@ -149,11 +144,15 @@ async fn an_exactly_once_stage_on_three_nodes_survives_a_join_a_freeze_a_kill_an
     );
 
     check_exactly_once(&brokers, &topics, total);
-    assert_eq!(
-        committed_offsets_on(&brokers, &topics.group, &topics.input),
-        end_offsets_on(&brokers, &topics.input),
-        "committed == end after the workers stopped"
-    );
+    let mut last = None;
+    let read = wait_until(Duration::from_secs(30), || {
+        last = run.offsets();
+        last.is_some()
+    })
+    .await;
+    assert!(read.is_ok(), "the offsets could not be read within 30 s");
+    let (committed, end) = last.expect("read");
+    assert_eq!(committed, end, "committed == end after the workers stopped");
     drop(cluster);
 }
 
@@ -165,21 +164,59 @@ struct Run<'a> {
 }
 
 impl Run<'_> {
-    /// The sum of the group's committed input offsets.
-    fn committed(&self) -> i64 {
-        committed_offsets_on(self.brokers, &self.topics.group, &self.topics.input)
+    /// The group's committed offsets (-1 where none) and the end offsets of the input, or
+    /// `None` when they could not be read now (a coordinator still loading, a leader moving).
+    fn offsets(&self) -> Option<(Vec<i64>, Vec<i64>)> {
+        let (topic, group) = (&self.topics.input, &self.topics.group);
+        let c: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", self.brokers)
+            .set("group.id", group)
+            .set("enable.auto.commit", "false")
+            .create()
+            .ok()?;
+        let mut tpl = TopicPartitionList::new();
+        let mut end = Vec::new();
+        for p in 0..PARTITIONS {
+            tpl.add_partition(topic, p);
+            end.push(c.fetch_watermarks(topic, p, Duration::from_secs(5)).ok()?.1);
+        }
+        let committed = c.committed_offsets(tpl, Duration::from_secs(5)).ok()?;
+        let committed = committed
+            .elements()
             .iter()
-            .map(|o| (*o).max(0))
-            .sum()
+            .map(|e| match e.offset() {
+                Offset::Offset(o) => o,
+                _ => -1,
+            })
+            .collect();
+        Some((committed, end))
+    }
+
+    /// The sum of the group's committed input offsets, when it can be read.
+    fn committed(&self) -> Option<i64> {
+        let (committed, _) = self.offsets()?;
+        Some(committed.iter().map(|o| (*o).max(0)).sum())
     }
 
     /// Waits until the committed input offsets are `STEP` past `from` and the group's members
-    /// are as `want`s; returns the committed sum, or fails naming the step.
+    /// are as `want` wants; returns the committed sum, or fails naming the step.
     async fn step(&self, what: &str, from: i64, want: impl Fn(&Members) -> bool) -> i64 {
+        self.step_with(what, from, want, || {}).await
+    }
+
+    /// [`step`](Self::step), calling `tick` at each look.
+    async fn step_with(
+        &self,
+        what: &str,
+        from: i64,
+        want: impl Fn(&Members) -> bool,
+        mut tick: impl FnMut(),
+    ) -> i64 {
         let mut last = (0, Members::default());
         let done = wait_until(WAIT, || {
+            tick();
             last = (
-                self.committed(),
+                self.committed().unwrap_or(last.0),
                 group_members(self.brokers, &self.topics.group),
             );
             last.0 >= from + STEP && want(&last.1)
@@ -300,7 +337,7 @@ fn group_members(brokers: &str, group: &str) -> Members {
 struct Input {
     stop: Arc<AtomicBool>,
     produced: Arc<AtomicU64>,
-    task: tokio::task::JoinHandle<u64>,
+    task: std::sync::Mutex<Option<tokio::task::JoinHandle<u64>>>,
 }
 
 impl Input {
@@ -359,7 +396,7 @@ impl Input {
         Self {
             stop,
             produced,
-            task,
+            task: std::sync::Mutex::new(Some(task)),
         }
     }
 
@@ -368,9 +405,10 @@ impl Input {
     }
 
     /// Stops the input; the number of records, each acknowledged.
-    async fn stop(self) -> u64 {
+    async fn stop(&self) -> u64 {
         self.stop.store(true, Ordering::Release);
-        self.task.await.expect("the input task")
+        let task = self.task.lock().unwrap().take().expect("the input runs");
+        task.await.expect("the input task")
     }
 }
 
