@@ -6,6 +6,7 @@ mod backpressure;
 mod commit_outage;
 mod dead_letters;
 mod exactly_once;
+mod exactly_once_cluster;
 mod fatal;
 mod faults;
 mod handover;
