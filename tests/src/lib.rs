@@ -714,9 +714,20 @@ pub fn committed_offsets_on(brokers: &str, group: &str, topic: &str) -> Vec<i64>
     for p in 0..partition_count(&c, topic) {
         tpl.add_partition(topic, p);
     }
-    let got = c
-        .committed_offsets(tpl, Duration::from_secs(10))
-        .expect("committed offsets");
+    // A cluster just started may still be loading its offsets topic (NOT_COORDINATOR,
+    // COORDINATOR_LOAD_IN_PROGRESS): asked again for a while before giving up.
+    let mut asked = 0;
+    let got = loop {
+        match c.committed_offsets(tpl.clone(), Duration::from_secs(10)) {
+            Ok(got) => break got,
+            Err(e) if asked < 15 => {
+                asked += 1;
+                eprintln!("committed offsets of {group}: {e}; asking again");
+                std::thread::sleep(Duration::from_secs(1));
+            }
+            Err(e) => panic!("committed offsets of {group}: {e}"),
+        }
+    };
     got.elements()
         .iter()
         .map(|e| match e.offset() {

@@ -33,7 +33,8 @@ use sessionflow_worker::record::{header, Lease, Parts, SessionSource};
 use sessionflow_worker::InputRecord;
 
 /// Ports of this test's cluster: 19500 … 19510 (the test broker uses 9092 …, chaos 19300 …,
-/// the SASL_SSL test 19440 …, the truncation test 19460 …, metrics ports 19480 … 19491).
+/// the SASL_SSL test 19440 …, the truncation test 19460 …, metrics ports 19480 … 19491, the
+/// transaction probe test 19520 … 19527).
 const PORT: u16 = 19500;
 const PARTITIONS: i32 = 6;
 const SESSIONS: u64 = 200;

@@ -19,11 +19,12 @@ use sessionflow_tests::{
 };
 use sessionflow_tools::loadgen::{self, LoadgenOptions};
 
-/// Ports of this test's broker: 19480 … 19483 (the test broker uses 9092 …, the SASL_SSL
-/// test 19440 …, the truncation test 19460 …, chaos 19300 …).
-const PORT: u16 = 19480;
+/// Ports of this test's broker: 19520 … 19523 (the test broker uses 9092 …, chaos 19300 …, the
+/// SASL_SSL test 19440 …, the truncation test 19460 …, metrics ports 19480 … 19491, the 3-node
+/// exactly-once test 19500 … 19510).
+const PORT: u16 = 19520;
 /// The worker's /readyz and /healthz.
-const METRICS_PORT: u16 = 19487;
+const METRICS_PORT: u16 = 19527;
 
 /// A broker started with `settings`, the stage's topics on it, and records in the input.
 async fn broker_with(settings: &[&str], name: &str) -> (ScriptCluster, Topics) {
