@@ -19,6 +19,7 @@ mod simulated_io;
 mod sweep_report;
 mod sweeps;
 mod systems;
+mod targets;
 mod workload;
 
 use std::path::PathBuf;
@@ -289,7 +290,7 @@ async fn main() -> anyhow::Result<()> {
         cli.out.display(),
         env.wall_s
     );
-    for v in report::verdicts(&outcomes) {
+    for v in targets::verdicts(&outcomes) {
         eprintln!(
             "  {:<60} {:<40} {}",
             v.target,

@@ -2,14 +2,15 @@
 //!
 //! A benchmark is only worth as much as its conditions are known, so the report starts with
 //! the exact command, the machine, the date, the broker and the load on the machine, then
-//! defines every number before giving it. The ratios and the verdicts against the targets are
-//! computed here (pure functions, unit-tested) from the same outcomes the tables show; nothing
-//! is rounded in sessionflow's favour, and a target missed is printed as missed. Notes written
+//! defines every number before giving it. The ratios are computed here, the verdicts against
+//! the targets in [`crate::targets`] (pure functions, unit-tested), from the same outcomes the
+//! tables show; nothing is rounded in sessionflow's favour, and a target missed is printed as
+//! missed. Notes written
 //! by hand after profiling live in `bench/NOTES.md` and are included as they are.
 
 use std::fmt::Write as _;
 
-use crate::scenarios::{Measured, Outcome, ScenarioId, SEED_P50_MS, SEED_RATE};
+use crate::scenarios::{Measured, Outcome};
 use crate::systems::SystemKind;
 
 /// Where and how the benchmark ran.
@@ -48,37 +49,12 @@ pub fn ideal_rate(sessions: u64, io_ms: u64, ceiling: Option<f64>) -> Option<f64
     Some(ceiling.map_or(ideal, |c| ideal.min(c)))
 }
 
-/// A target's verdict.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Verdict {
-    pub target: String,
-    pub measured: String,
-    pub met: Option<bool>,
-}
-
-fn verdict(target: impl Into<String>, measured: String, met: Option<bool>) -> Verdict {
-    Verdict {
-        target: target.into(),
-        measured,
-        met,
-    }
-}
-
-fn throughput(o: &Outcome, kind: SystemKind) -> Option<f64> {
+pub fn throughput(o: &Outcome, kind: SystemKind) -> Option<f64> {
     let s = o.system(kind)?;
     s.backlog
         .as_ref()
         .or(s.paced.as_ref())
         .and_then(|m| m.result.throughput())
-}
-
-/// Peak RSS of `kind`'s backlog run (its paced run when it has none).
-fn peak_rss(o: &Outcome, kind: SystemKind) -> Option<u64> {
-    let s = o.system(kind)?;
-    s.backlog
-        .as_ref()
-        .or(s.paced.as_ref())
-        .map(|m| m.result.peak_rss)
 }
 
 pub fn healthy_quantile(m: Option<&Measured>, q: f64) -> Option<f64> {
@@ -87,7 +63,7 @@ pub fn healthy_quantile(m: Option<&Measured>, q: f64) -> Option<f64> {
 }
 
 /// Two decimals; three significant digits below 0.1 (a ratio of 0.0027 is not "0.00").
-fn fmt_ratio(r: Option<f64>) -> String {
+pub fn fmt_ratio(r: Option<f64>) -> String {
     match r {
         None => "—".into(),
         Some(r) if r > 0.0 && r < 0.1 => {
@@ -131,134 +107,6 @@ pub fn fmt_ms(us: Option<f64>, cap_s: f64) -> String {
             }
         }
     }
-}
-
-/// The verdicts against the targets of the brief, from the outcomes present.
-pub fn verdicts(outcomes: &[Outcome]) -> Vec<Verdict> {
-    let find = |id| outcomes.iter().find(|o| o.scenario.id == id);
-    let sf = SystemKind::Sessionflow;
-    let mut out = Vec::new();
-    if let Some(o) = find(ScenarioId::P1) {
-        let r = ratio(throughput(o, sf), throughput(o, SystemKind::Ceiling));
-        out.push(verdict(
-            "P1 throughput ≥ 0.8 × ceiling",
-            fmt_ratio(r),
-            r.map(|r| r >= 0.8),
-        ));
-        // Issue 13's form of the same target, and its memory bound.
-        let r = ratio(throughput(o, sf), throughput(o, SystemKind::Sequential));
-        out.push(verdict(
-            "P1 throughput ≥ 0.8 × per-partition sequential",
-            fmt_ratio(r),
-            r.map(|r| r >= 0.8),
-        ));
-        let (own, sequential) = (peak_rss(o, sf), peak_rss(o, SystemKind::Sequential));
-        out.push(verdict(
-            "P1 peak RSS ≤ per-partition sequential's",
-            match (own, sequential) {
-                (Some(a), Some(b)) => format!("{} vs {} MiB", mib(a), mib(b)),
-                _ => "—".into(),
-            },
-            own.zip(sequential).map(|(a, b)| a <= b),
-        ));
-    }
-    if let Some(o) = find(ScenarioId::P2) {
-        let ideal = ideal_rate(
-            o.scenario.sessions,
-            o.scenario.handler.io_ms,
-            throughput(o, SystemKind::Ceiling),
-        );
-        let r = ratio(throughput(o, sf), ideal);
-        out.push(verdict(
-            format!(
-                "P2 throughput ≥ 0.8 × ideal ({} msg/s)",
-                ideal.map_or("—".into(), fmt_int)
-            ),
-            fmt_ratio(r),
-            r.map(|r| r >= 0.8),
-        ));
-        let r = ratio(throughput(o, sf), throughput(o, SystemKind::Sequential));
-        out.push(verdict(
-            "P2 throughput ≥ 50 × per-partition sequential",
-            fmt_ratio(r),
-            r.map(|r| r >= 50.0),
-        ));
-    }
-    for id in [ScenarioId::P1, ScenarioId::P2] {
-        let Some(o) = find(id).filter(|o| o.system(SystemKind::ParallelConsumer).is_some()) else {
-            continue;
-        };
-        let r = ratio(
-            throughput(o, sf),
-            throughput(o, SystemKind::ParallelConsumer),
-        );
-        out.push(verdict(
-            format!("{id:?} throughput ≥ 1.5 × the Parallel Consumer (KEY)"),
-            fmt_ratio(r),
-            r.map(|r| r >= 1.5),
-        ));
-    }
-    if let Some(o) = find(ScenarioId::P3) {
-        let t = throughput(o, sf);
-        out.push(verdict(
-            format!("P3 throughput ≥ 2 × {} msg/s", fmt_int(SEED_RATE)),
-            t.map_or("—".into(), |t| format!("{} msg/s", fmt_int(t))),
-            t.map(|t| t >= 2.0 * SEED_RATE),
-        ));
-        let paced = o.system(sf).and_then(|s| s.paced.as_ref());
-        let p50 = healthy_quantile(paced, 0.5);
-        let kept_up = paced.and_then(|m| {
-            let t = m.result.throughput()?;
-            Some(!m.result.capped && t >= 0.95 * m.offered_rate?)
-        });
-        out.push(verdict(
-            format!(
-                "P3 p50 < {SEED_P50_MS} ms at 2 × {} msg/s offered",
-                fmt_int(SEED_RATE)
-            ),
-            format!(
-                "{} ms{}",
-                fmt_ms(p50, paced.map_or(0.0, |m| m.cap_secs)),
-                match kept_up {
-                    Some(true) => ", kept up",
-                    Some(false) => ", did NOT keep up",
-                    None => "",
-                }
-            ),
-            p50.zip(kept_up).map(|(p, k)| k && p / 1e3 < SEED_P50_MS),
-        ));
-    }
-    if let Some(o) = find(ScenarioId::P4) {
-        let s = o.system(sf);
-        let faulty = healthy_quantile(s.and_then(|s| s.paced.as_ref()), 0.99);
-        let clean = healthy_quantile(s.and_then(|s| s.fault_free.as_ref()), 0.99);
-        let r = ratio(faulty, clean);
-        out.push(verdict(
-            "P4 p99 of healthy sessions ≤ 1.5 × their fault-free p99",
-            format!(
-                "{} (p99 {} ms vs {} ms)",
-                fmt_ratio(r),
-                fmt_ms(faulty, 0.0),
-                fmt_ms(clean, 0.0)
-            ),
-            r.map(|r| r <= 1.5),
-        ));
-    }
-    if let Some(o) = find(ScenarioId::P5) {
-        let mem = o
-            .system(sf)
-            .and_then(|s| s.paced.as_ref())
-            .and_then(|m| m.result.memory.clone());
-        let r = mem
-            .as_ref()
-            .and_then(|m| ratio(Some(m.after_reap_rss as f64), Some(m.baseline_rss as f64)));
-        out.push(verdict(
-            "P5 RSS after idle reap ≤ 1.2 × baseline",
-            fmt_ratio(r),
-            r.map(|r| r <= 1.2),
-        ));
-    }
-    out
 }
 
 pub fn mib(bytes: u64) -> String {
@@ -493,9 +341,25 @@ fn ratios_table(outcomes: &[Outcome], md: &mut String) {
                 .any(|o| o.system(*k).is_some() && o.system(SystemKind::Sessionflow).is_some())
         })
         .collect();
-    if others.is_empty() {
-        return;
+    if !others.is_empty() {
+        ratio_rows(outcomes, &others, md);
     }
+    crate::pc_report::table(
+        outcomes,
+        md,
+        SystemKind::Sessionflow,
+        SystemKind::ParallelConsumer,
+    );
+    crate::pc_report::table(
+        outcomes,
+        md,
+        SystemKind::SessionflowEos,
+        SystemKind::ParallelConsumerTx,
+    );
+}
+
+/// sessionflow's throughput ÷ each of `others`', per scenario.
+fn ratio_rows(outcomes: &[Outcome], others: &[SystemKind], md: &mut String) {
     let _ = writeln!(
         md,
         "## Ratios (throughput)\n\n| scenario |{}\n|---|{}",
@@ -517,18 +381,6 @@ fn ratios_table(outcomes: &[Outcome], md: &mut String) {
         let _ = writeln!(md, "| {:?} |{cells}", o.scenario.id);
     }
     md.push('\n');
-    parallel_consumer_table(
-        outcomes,
-        md,
-        SystemKind::Sessionflow,
-        SystemKind::ParallelConsumer,
-    );
-    parallel_consumer_table(
-        outcomes,
-        md,
-        SystemKind::SessionflowEos,
-        SystemKind::ParallelConsumerTx,
-    );
 }
 
 /// A system's name in a ratio's column head.
@@ -540,56 +392,6 @@ fn short_label(kind: SystemKind) -> &'static str {
         SystemKind::ParallelConsumer => "Parallel Consumer",
         other => other.label(),
     }
-}
-
-/// sessionflow (`sf`) against the Parallel Consumer (`pc`) on every measure, where both ran:
-/// each in its default commit, or exactlyOnce against PC's transactional mode.
-fn parallel_consumer_table(outcomes: &[Outcome], md: &mut String, sf: SystemKind, pc: SystemKind) {
-    let both: Vec<&Outcome> = outcomes
-        .iter()
-        .filter(|o| o.system(sf).is_some() && o.system(pc).is_some())
-        .collect();
-    if both.is_empty() {
-        return;
-    }
-    let _ = writeln!(
-        md,
-        "## {} against the {}\n\n\
-         Each cell is sessionflow's number ÷ the Parallel Consumer's, from the \
-         tables above: throughput above 1× is sessionflow faster; latency, CPU and RSS below 1× \
-         are sessionflow lower; — where a percentile of PC's paced run is beyond that run's \
-         cap (it did not keep up). CPU and RSS are of the backlog run (each system's whole \
-         process: the engine in this harness's child, PC in its JVM).\n\n\
-         | scenario | throughput | p50 | p99 | CPU s | peak RSS |\n|---|---:|---:|---:|---:|---:|",
-        sf.label(),
-        pc.label(),
-    );
-    for o in both {
-        let paced = |k| o.system(k).and_then(|s| s.paced.as_ref());
-        let main = |k| {
-            o.system(k)
-                .and_then(|s| s.backlog.as_ref().or(s.paced.as_ref()))
-        };
-        let q = |q| {
-            fmt_ratio(ratio(
-                healthy_quantile(paced(sf), q),
-                healthy_quantile(paced(pc), q),
-            ))
-        };
-        let cpu = |k| main(k).map(|m| m.result.cpu_s);
-        let rss = |k| main(k).map(|m| m.result.peak_rss as f64);
-        let _ = writeln!(
-            md,
-            "| {:?} | {} | {} | {} | {} | {} |",
-            o.scenario.id,
-            fmt_ratio(ratio(throughput(o, sf), throughput(o, pc))),
-            q(0.5),
-            q(0.99),
-            fmt_ratio(ratio(cpu(sf), cpu(pc))),
-            fmt_ratio(ratio(rss(sf), rss(pc))),
-        );
-    }
-    md.push('\n');
 }
 
 /// The whole of BENCHMARKS.md; `growth` is the "How cost grows" section
@@ -767,7 +569,7 @@ pub fn markdown(
         md,
         "## Targets\n\n| target | measured | met |\n|---|---|---|"
     );
-    for v in verdicts(outcomes) {
+    for v in crate::targets::verdicts(outcomes) {
         let met = match v.met {
             Some(true) => "yes",
             Some(false) => "**no**",
@@ -827,42 +629,33 @@ mod tests {
         assert_eq!(fmt_ratio(None), "—");
     }
 
-    /// P1 of a full run (`make bench`, 21:58 UTC, 1 December 2026; histograms left out) judged
-    /// again, then with sessionflow made faster and leaner than the sequential consumer: issue
-    /// 13's two rows follow the numbers both ways.
+    /// A run of exactlyOnce and PC's transactional mode alone (no plain sessionflow, so no
+    /// ratios to the other systems) still gets their side-by-side table.
     #[test]
-    fn p1_is_judged_against_the_sequential_consumer_in_rate_and_memory() {
-        let recorded: serde_json::Value =
+    fn exactly_once_meets_the_transactional_parallel_consumer_without_plain_sessionflow() {
+        let mut p1: serde_json::Value =
             serde_json::from_str(include_str!("testdata/p1-outcome.json")).unwrap();
-        let judge = |p1: &serde_json::Value| {
-            let outcome: Outcome = serde_json::from_value(p1.clone()).unwrap();
-            let v = verdicts(&[outcome]);
-            let met = |name: &str| v.iter().find(|v| v.target.starts_with(name)).unwrap().met;
-            (
-                met("P1 throughput ≥ 0.8 × per-partition sequential"),
-                met("P1 peak RSS"),
-            )
-        };
-        // 508,074 against 648,745 msg/s (0.78 ×); 152 against 146 MiB.
-        assert_eq!(judge(&recorded), (Some(false), Some(false)));
-        let mut better = recorded.clone();
-        let sessionflow = better["systems"]
-            .as_array_mut()
-            .unwrap()
-            .iter_mut()
-            .find(|s| s["system"] == "Sessionflow")
-            .unwrap();
-        let run = &mut sessionflow["backlog"]["result"];
-        let first = run["first_us"].as_u64().unwrap();
-        let last = run["last_us"].as_u64().unwrap();
-        // Done in 0.9 × the time: 0.87 × the sequential consumer.
-        run["last_us"] = (first + (last - first) * 9 / 10).into();
-        run["peak_rss"] = (140u64 << 20).into();
-        assert_eq!(judge(&better), (Some(true), Some(true)));
-    }
-
-    #[test]
-    fn no_outcomes_no_verdicts() {
-        assert!(verdicts(&[]).is_empty());
+        let systems = p1["systems"].as_array_mut().unwrap();
+        systems.retain(|s| s["system"] == "Sessionflow" || s["system"] == "Sequential");
+        for s in systems.iter_mut() {
+            s["system"] = if s["system"] == "Sessionflow" {
+                "SessionflowEos"
+            } else {
+                "ParallelConsumerTx"
+            }
+            .into();
+        }
+        let outcome: Outcome = serde_json::from_value(p1).unwrap();
+        let mut md = String::new();
+        ratios_table(&[outcome], &mut md);
+        assert!(!md.contains("## Ratios (throughput)"), "{md}");
+        assert!(
+            md.contains(
+                "## sessionflow (exactlyOnce, 100 ms) against the Parallel Consumer (KEY, \
+                 transactional, 100 ms)"
+            ),
+            "{md}"
+        );
+        assert!(md.contains("| P1 | 0.78"), "{md}");
     }
 }
