@@ -497,10 +497,10 @@ pub fn markdown(
         p1_rounds = crate::scenarios::P1_ROUNDS
     ));
 
-    if outcomes
-        .iter()
-        .any(|o| o.system(SystemKind::ParallelConsumer).is_some())
-    {
+    if outcomes.iter().any(|o| {
+        o.system(SystemKind::ParallelConsumer).is_some()
+            || o.system(SystemKind::ParallelConsumerTx).is_some()
+    }) {
         md.push_str(&format!(
             "- **Parallel Consumer (KEY)** (on request: `--systems …,parallel-consumer`): the \
              Confluent Parallel Consumer {PC_VERSION} with kafka-clients {PC_KAFKA_CLIENTS} (the \
@@ -528,7 +528,7 @@ pub fn markdown(
     {
         md.push_str(
             "- **Parallel Consumer (KEY, transactional, 100 ms)** (on request: \
-             `parallel-consumer-tx`): the same, in its transactional commit mode \
+             `parallel-consumer-tx`): the same JVM, settings and handler, in its transactional commit mode \
              (`PERIODIC_TRANSACTIONAL_PRODUCER`: one producer of transactional id \
              `<group>.pc-tx`, the offsets sent with a transaction every 100 ms, the consumer \
              reading `read_committed`), next to *sessionflow (exactlyOnce, 100 ms)*.\n",
