@@ -8,6 +8,7 @@ mod dead_letters;
 mod exactly_once;
 mod fatal;
 mod faults;
+mod fenced;
 mod handover;
 mod http_handler;
 mod isolation;

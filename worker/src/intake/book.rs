@@ -9,6 +9,7 @@
 //! shutdown decide when; the book says what.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use rdkafka::error::KafkaResult;
 use rdkafka::{Offset as KafkaOffset, TopicPartitionList};
@@ -29,6 +30,8 @@ use crate::record::Lease;
 /// A revocation moves a partition `Owned` → `Draining` → `Revoked`, then commits it and
 /// forgets it; a lost assignment goes `Owned` → `Lost` and is forgotten at once; the shutdown's
 /// write fence moves every partition `Owned` → `Revoked` before the worker leaves the group.
+/// In `exactlyOnce`, a partition whose producer was fenced goes `Owned` → `Fenced` and back to
+/// `Owned` when it is reopened (or leaves as any other would).
 /// A forgotten partition is out of the book: nothing that comes back for it (a completion, a
 /// commit's answer) finds it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,6 +47,10 @@ pub(super) enum Phase {
     /// Lost (session timeout, fenced member): another member may own it already, so no drain
     /// and no commit; its results still queued are taken back from the producer.
     Lost,
+    /// `exactlyOnce`: given up `since` then, its producer fenced by another with its
+    /// transactional id (`intake::transactional`): its lease revoked, its books empty, no
+    /// record of it taken in, no transaction open. Reopened after a grace if still assigned.
+    Fenced { since: Instant },
 }
 
 /// Whether the worker is leaving the group, and how the commits of the revocations that

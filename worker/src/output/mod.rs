@@ -3,8 +3,10 @@
 //! [`producer`] writes output records and dead letters and reports the broker's answer; [`dlq`]
 //! says what a dead letter carries. When a record counts as done is the session's business
 //! (`session::settle`), not the producer's. In `exactlyOnce` every write goes through the
-//! transactional producer of its record's input partition ([`transactions`]).
+//! transactional producer of its record's input partition ([`transactions`]); one fenced by
+//! another producer with its transactional id is reported per partition ([`fenced`]).
 
 pub mod dlq;
+pub mod fenced;
 pub mod producer;
 pub mod transactions;
