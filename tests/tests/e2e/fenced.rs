@@ -101,7 +101,7 @@ async fn a_fenced_partition_producer_gives_up_only_its_partition_and_reopens_it_
     let at_fence = topics.output_count();
 
     let fenced = wait_until(Duration::from_secs(60), || {
-        read_log().contains("partition is given up") || !worker.running()
+        read_log().contains("the partition is given up —") || !worker.running()
     })
     .await;
     assert!(
@@ -111,7 +111,7 @@ async fn a_fenced_partition_producer_gives_up_only_its_partition_and_reopens_it_
     );
     assert!(fenced.is_ok(), "no fence seen in 60 s:\n{}", read_log());
     let input = topics.input.clone();
-    let done = wait_until(Duration::from_secs(180), || {
+    let done = wait_until(Duration::from_secs(120), || {
         !worker.running() || topics.committed() == end_offsets(&input)
     })
     .await;

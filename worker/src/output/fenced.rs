@@ -102,7 +102,7 @@ impl<C: ClientContext> ClientContext for PartitionEvents<C> {
         }
         tracing::warn!(partition = self.partition, error = %error, reason,
             "exactlyOnce: the partition's transactional producer failed for good (fenced: \
-             another producer has its transactional id): the partition is given up");
+             another producer has its transactional id); the consumer loop gives it up");
         self.fenced.note(self.partition);
     }
 }
