@@ -37,14 +37,16 @@ fn zombie(id: &str) -> BaseProducer {
     p
 }
 
-/// The sum of the worker's counter `name` over the series with all of `labels`, 0 if none.
-async fn counter(name: &str, labels: &[&str]) -> u64 {
+/// The sum of the worker's series `name` (`sessionflow_` left out) with all of `labels`
+/// (e.g. `reason="write"`), 0 if none.
+async fn metric(name: &str, labels: &[&str]) -> u64 {
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], PORT));
     let (status, body) = sessionflow_tests::http_get(addr, "/metrics").await;
     assert_eq!(status, 200, "{body}");
-    let prefix = format!("sessionflow_{name}{{");
+    let full = format!("sessionflow_{name}");
     body.lines()
-        .filter(|l| l.starts_with(&prefix) && labels.iter().all(|x| l.contains(x)))
+        .filter(|l| l.split(['{', ' ']).next() == Some(full.as_str()))
+        .filter(|l| labels.iter().all(|x| l.contains(x)))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .map(|v| v as u64)
         .sum()
@@ -60,7 +62,7 @@ async fn counter(name: &str, labels: &[&str]) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fenced_partition_producer_gives_up_only_its_partition_and_reopens_it_after_the_grace() {
     let topics = Topics::create("eos-fenced", 4).await;
-    let total = 30_000;
+    let total: u64 = 30_000;
     crate::produce_round_robin(&topics, 100, 300).await;
     let yaml = topics
         .stage_yaml("{latencyMs: 10, seed: 5}", "delivery: exactlyOnce")
@@ -134,12 +136,29 @@ async fn a_fenced_partition_producer_gives_up_only_its_partition_and_reopens_it_
         zombie_commit.is_err(),
         "the zombie's transaction committed after the reopen"
     );
-    let fences = counter(
+    let fences = metric(
         "transactions_total",
         &["result=\"aborted\"", "reason=\"fenced\""],
     )
     .await;
     assert!(fences >= 1, "fences counted: {fences}");
+    // Records per transaction: over the committed ones, every input record exactly once (those
+    // of the transaction the fence aborted count in the one that replayed them). The last
+    // commit is observed just after the broker confirmed it: waited for.
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    let (transactions, records) = loop {
+        let transactions = metric("transaction_records_count", &[]).await;
+        let records = metric("transaction_records_sum", &[]).await;
+        if records == total || std::time::Instant::now() >= until {
+            break (transactions, records);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(
+        records == total && transactions > 0,
+        "transaction_records: {transactions} committed transactions carrying {records} \
+         records, not {total}"
+    );
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], PORT));
     let (health, _) = sessionflow_tests::http_get(addr, "/healthz").await;
     assert_eq!(health, 200, "the worker is healthy");
@@ -147,16 +166,13 @@ async fn a_fenced_partition_producer_gives_up_only_its_partition_and_reopens_it_
     let report = verify_pipeline(&topics);
     eprintln!(
         "exactlyOnce, partition {FENCED}'s producer fenced at {at_fence} output offsets \
-         ({fences} fence(s) counted; the zombie's commit: {zombie_commit:?}):\n{report}"
+         ({fences} fence(s) counted; the zombie's commit: {zombie_commit:?}; {transactions} \
+         transactions committed, carrying {records} records):\n{report}"
     );
     assert!(report.is_ok(), "{report}");
     assert_eq!(report.duplicates, 0, "{report}");
     assert_eq!(report.stale_ends, 0, "{report}");
-    assert_eq!(
-        report.records + report.dlq_records,
-        total as u64,
-        "{report}"
-    );
+    assert_eq!(report.records + report.dlq_records, total, "{report}");
     let status = worker.terminate();
     assert!(status.success(), "the worker's stop: {status}");
     topics.delete().await;

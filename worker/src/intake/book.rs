@@ -92,6 +92,9 @@ pub(super) struct PartitionState {
     /// above it are what was left of the fetch before the rewind, dropped until the refetch
     /// starts (a record at or below it). `Offset::MIN` after a failed seek: nothing more.
     pub(super) rewound_at: Option<Offset>,
+    /// Records settled (completed, not released) since the partition's last commit: in
+    /// `exactlyOnce`, how many records the next committed transaction marks done.
+    pub(super) settled_since_commit: u64,
 }
 
 impl PartitionState {
@@ -105,6 +108,7 @@ impl PartitionState {
             done_above,
             map_overflow: false,
             rewound_at: None,
+            settled_since_commit: 0,
         }
     }
 }
@@ -230,6 +234,14 @@ impl Book {
         }
     }
 
+    /// `exactlyOnce`: `partition`'s transaction committed: how many records it marked done
+    /// (settled since the previous commit), counting from zero again.
+    pub(super) fn take_settled(&mut self, partition: Partition) -> u64 {
+        self.partitions
+            .get_mut(&partition)
+            .map_or(0, |s| std::mem::take(&mut s.settled_since_commit))
+    }
+
     /// The partitions in the book.
     pub(super) fn all_partitions(&self) -> Vec<Partition> {
         self.partitions.keys().copied().collect()
@@ -246,6 +258,7 @@ impl Book {
         }
         state.unreleased = state.unreleased.saturating_sub(1);
         if c.done {
+            state.settled_since_commit += 1;
             if let Err(e) = self.tracker.complete(c.partition, c.offset) {
                 tracing::error!(error = %e, partition = c.partition, "offset bookkeeping");
             }

@@ -128,6 +128,9 @@ impl IntakeContext {
                         .transactions
                         .with_label_values(&["committed", ""])
                         .inc();
+                    self.metrics
+                        .transaction_records
+                        .observe(book.take_settled(p) as f64);
                     if let Some(KafkaOffset::Offset(w)) = offsets
                         .find_partition(&self.settings.input, p)
                         .map(|e| e.offset())
