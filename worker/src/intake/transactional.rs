@@ -158,8 +158,9 @@ impl IntakeContext {
                     self.stop_fatally(
                         p,
                         &format!(
-                            "exactlyOnce: the partition's producer is fenced or failed ({e}); the \
-                         worker stops (the restart replays from the last committed transaction)"
+                            "exactlyOnce: the partition's transaction call did not return in time \
+                         ({e}); the worker stops (the restart replays from the last committed \
+                         transaction)"
                         ),
                     );
                     return failed;
