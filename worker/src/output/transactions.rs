@@ -333,7 +333,10 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
     /// transaction when it fenced it). [`Transactions::open`] makes a new one.
     pub fn give_up(&self, partition: Partition) {
         self.forget(partition);
-        if let Some(producer) = self.producers().remove(&partition) {
+        // Out of the map first: the purge and the client's destruction are not done under
+        // the lock every write takes.
+        let producer = self.producers().remove(&partition);
+        if let Some(producer) = producer {
             producer.purge(rdkafka::producer::PurgeConfig::default().queue().inflight());
         }
     }
