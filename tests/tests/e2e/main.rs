@@ -9,6 +9,7 @@ mod exactly_once;
 mod exactly_once_cluster;
 mod fatal;
 mod faults;
+mod fenced;
 mod handover;
 mod http_handler;
 mod isolation;

@@ -9,6 +9,7 @@
 //! shutdown decide when; the book says what.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use rdkafka::error::KafkaResult;
 use rdkafka::{Offset as KafkaOffset, TopicPartitionList};
@@ -29,6 +30,8 @@ use crate::record::Lease;
 /// A revocation moves a partition `Owned` → `Draining` → `Revoked`, then commits it and
 /// forgets it; a lost assignment goes `Owned` → `Lost` and is forgotten at once; the shutdown's
 /// write fence moves every partition `Owned` → `Revoked` before the worker leaves the group.
+/// In `exactlyOnce`, a partition whose producer was fenced goes `Owned` → `Fenced` and back to
+/// `Owned` when it is reopened (or leaves as any other would).
 /// A forgotten partition is out of the book: nothing that comes back for it (a completion, a
 /// commit's answer) finds it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,6 +47,10 @@ pub(super) enum Phase {
     /// Lost (session timeout, fenced member): another member may own it already, so no drain
     /// and no commit; its results still queued are taken back from the producer.
     Lost,
+    /// `exactlyOnce`: given up `since` then, its producer fenced by another with its
+    /// transactional id (`intake::transactional`): its lease revoked, its books empty, no
+    /// record of it taken in, no transaction open. Reopened after a grace if still assigned.
+    Fenced { since: Instant },
 }
 
 /// Whether the worker is leaving the group, and how the commits of the revocations that
@@ -85,6 +92,9 @@ pub(super) struct PartitionState {
     /// above it are what was left of the fetch before the rewind, dropped until the refetch
     /// starts (a record at or below it). `Offset::MIN` after a failed seek: nothing more.
     pub(super) rewound_at: Option<Offset>,
+    /// Records settled (completed, not released) since the partition's last commit: in
+    /// `exactlyOnce`, how many records the next committed transaction marks done.
+    pub(super) settled_since_commit: u64,
 }
 
 impl PartitionState {
@@ -98,6 +108,7 @@ impl PartitionState {
             done_above,
             map_overflow: false,
             rewound_at: None,
+            settled_since_commit: 0,
         }
     }
 }
@@ -223,6 +234,14 @@ impl Book {
         }
     }
 
+    /// `exactlyOnce`: `partition`'s transaction committed: how many records it marked done
+    /// (settled since the previous commit), counting from zero again.
+    pub(super) fn take_settled(&mut self, partition: Partition) -> u64 {
+        self.partitions
+            .get_mut(&partition)
+            .map_or(0, |s| std::mem::take(&mut s.settled_since_commit))
+    }
+
     /// The partitions in the book.
     pub(super) fn all_partitions(&self) -> Vec<Partition> {
         self.partitions.keys().copied().collect()
@@ -239,6 +258,7 @@ impl Book {
         }
         state.unreleased = state.unreleased.saturating_sub(1);
         if c.done {
+            state.settled_since_commit += 1;
             if let Err(e) = self.tracker.complete(c.partition, c.offset) {
                 tracing::error!(error = %e, partition = c.partition, "offset bookkeeping");
             }

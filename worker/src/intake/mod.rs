@@ -91,6 +91,8 @@ const BURST: usize = 256;
 const COMMIT_STALL_TURNS: u32 = 3;
 /// How often the loop reads how many records wait in the partition queues (a gauge).
 const PREFETCH_READ: Duration = Duration::from_millis(100);
+/// How often the loop looks for partitions given up for a fence whose grace is over.
+const FENCED_CHECK: Duration = Duration::from_millis(500);
 /// How often the loop checks it can still reach the broker.
 const HEALTH_CHECK: Duration = Duration::from_secs(5);
 
@@ -227,15 +229,21 @@ impl IntakeLoop {
         let mut last_commit = Instant::now();
         let mut last_health = Instant::now();
         let mut last_prefetch_read = Instant::now();
+        let mut last_fenced_check = Instant::now();
         while !self.stopping() {
             self.ctx().health.beat();
             self.ctx().judge_membership();
             if let Some(transactions) = self.producer.transactions() {
                 // exactlyOnce: transactions that can no longer commit are aborted, and their
-                // partitions rewound, before anything more is taken in.
-                if transactions.any_doomed() {
-                    let ctx = self.ctx();
+                // partitions rewound (or given up, when fenced), before anything more is
+                // taken in; given-up partitions still assigned after their grace reopened.
+                let ctx = self.ctx();
+                if transactions.any_doomed() || transactions.any_fenced() {
                     ctx.abort_doomed(&self.consumer, &mut ctx.book(), transactions);
+                }
+                if last_fenced_check.elapsed() >= FENCED_CHECK {
+                    ctx.reopen_fenced(&self.consumer, &mut ctx.book(), transactions);
+                    last_fenced_check = Instant::now();
                 }
             }
             // Events (rebalances run in here) and records not in a partition queue yet; after a

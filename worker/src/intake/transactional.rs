@@ -12,9 +12,19 @@
 //! start over from the committed watermark and map, read again from the group as on
 //! assignment, the consumer seeks there and the next transaction begins. Other partitions go
 //! on. A partition leaving this worker (revocation, stop) is not rewound: its transaction is
-//! aborted when its producer closes, and the next owner replays from the last commit. A
-//! fenced producer (another owner has the partition) or an abort that fails stops the worker,
-//! as before.
+//! aborted when its producer closes, and the next owner replays from the last commit.
+//!
+//! A **fenced** producer (another producer called `init_transactions` with the partition's
+//! transactional id, `output::fenced`) can neither commit nor abort: the partition is *given
+//! up* — its lease revoked, its books dropped, its producer dropped without a commit (the
+//! broker aborted its transaction), no record of it taken in (`Phase::Fenced`) — and the other
+//! partitions go on. Either the group really moved it (this worker is a zombie and its consumer
+//! learns so at a coming poll: the revocation or loss forgets it, and nothing here fights the
+//! new owner for the id), or a zombie *other* process fenced it while the group still assigns
+//! it here: then, after a grace of the group's session timeout (within which the group and
+//! this member learn of a real move), its producer is opened again — whose init fences that
+//! zombie — and the partition is rewound to its committed watermark and map like an abort's.
+//! An abort that fails otherwise stops the worker.
 
 use std::time::{Duration, Instant};
 
@@ -28,6 +38,7 @@ use crate::commit::offsets::Partition;
 use crate::config::EXACTLY_ONCE_MESSAGE_TIMEOUT_MS;
 use crate::intake::book::{Book, PartitionState, Phase};
 use crate::intake::rebalance::IntakeContext;
+use crate::output::fenced::is_fence;
 use crate::output::producer::ProducerEvents;
 use crate::output::transactions::{AbortReason, Doom, Exclusive, Strike, Transactions};
 use crate::record::Lease;
@@ -38,22 +49,11 @@ const COMMITTED_TIMEOUT: Duration = Duration::from_secs(10);
 /// acknowledged, refused or timed out within `message.timeout.ms`; the rest is slack.
 const BARRIER_DEADLINE: Duration = Duration::from_millis(EXACTLY_ONCE_MESSAGE_TIMEOUT_MS + 15_000);
 
-/// Whether a transaction error means another producer has the transactional id (or the
-/// client cannot go on): no abort can help.
+/// Whether a transaction call's error leaves the client unable to go on, not fenced: a call
+/// that did not return in time (`ERR__FATAL` from `output::transactions::within`). The worker
+/// stops; a fence ([`is_fence`]) gives up only its partition.
 fn is_fatal(error: &KafkaError) -> bool {
-    if let KafkaError::Transaction(e) = error {
-        if e.is_fatal() {
-            return true;
-        }
-    }
-    matches!(
-        error.rdkafka_error_code(),
-        Some(
-            RDKafkaErrorCode::ProducerFenced
-                | RDKafkaErrorCode::InvalidProducerEpoch
-                | RDKafkaErrorCode::Fatal
-        )
-    )
+    error.rdkafka_error_code() == Some(RDKafkaErrorCode::Fatal)
 }
 
 /// Whether `doom` is of a transaction of `p` aborted already: its record's lease is older than
@@ -128,6 +128,9 @@ impl IntakeContext {
                         .transactions
                         .with_label_values(&["committed", ""])
                         .inc();
+                    self.metrics
+                        .transaction_records
+                        .observe(book.take_settled(p) as f64);
                     if let Some(KafkaOffset::Offset(w)) = offsets
                         .find_partition(&self.settings.input, p)
                         .map(|e| e.offset())
@@ -140,13 +143,24 @@ impl IntakeContext {
                         "transaction committed"
                     );
                 }
+                Err(e) if is_fence(&e) || transactions.is_fenced(p) => {
+                    if force {
+                        self.count_abort(AbortReason::Fenced);
+                        tracing::warn!(partition = p, error = %e,
+                            "exactlyOnce: leaving partition's producer is fenced: its \
+                             transaction is not committed (the broker aborted it)");
+                    } else {
+                        self.give_up(book, transactions, p, &e);
+                    }
+                }
                 Err(e) if is_fatal(&e) => {
                     self.count_abort(AbortReason::Commit);
                     self.stop_fatally(
                         p,
                         &format!(
-                            "exactlyOnce: the partition's producer is fenced or failed ({e}); the \
-                         worker stops (the restart replays from the last committed transaction)"
+                            "exactlyOnce: the partition's transaction call did not return in time \
+                         ({e}); the worker stops (the restart replays from the last committed \
+                         transaction)"
                         ),
                     );
                     return failed;
@@ -187,13 +201,22 @@ impl IntakeContext {
         if self.fatal.is_cancelled() || !self.producer.gate().is_open() {
             return;
         }
-        if !transactions.any_doomed() {
+        if !transactions.any_doomed() && !transactions.any_fenced() {
             return;
         }
         // The barrier first: while it waits, the doomed partitions' writes are purged.
         let Some(_exclusive) = self.barrier(transactions) else {
             return;
         };
+        for p in transactions.take_fenced() {
+            let owned = book
+                .partitions
+                .get(&p)
+                .is_some_and(|s| s.phase == Phase::Owned);
+            if owned && transactions.is_fenced(p) {
+                self.give_up(book, transactions, p, &"its producer's fatal error");
+            }
+        }
         let doomed = transactions.take_doomed();
         for (p, doom) in doomed {
             let owned = book
@@ -222,6 +245,11 @@ impl IntakeContext {
         if !book.partitions.contains_key(&p) || is_stale(book, p, &doom) {
             return true;
         }
+        if transactions.is_fenced(p) {
+            // No abort can help: the broker aborted it, and the producer can do no more.
+            self.give_up(book, transactions, p, &"its producer is fenced");
+            return true;
+        }
         self.count_abort(doom.reason);
         match transactions.strike(p, doom.record) {
             Strike::Counted(n) => {
@@ -247,7 +275,34 @@ impl IntakeContext {
                 return false;
             }
         }
-        // Where to go back to: the group's committed offset and map, as on assignment.
+        let Some(from) = self.restart_from_commit(consumer, book, transactions, p) else {
+            return false;
+        };
+        match transactions.abort(p) {
+            Ok(()) => {}
+            Err(e) if is_fence(&e) || transactions.is_fenced(p) => {
+                self.give_up(book, transactions, p, &e);
+                return true;
+            }
+            Err(e) => {
+                self.stop_fatally(p, &format!("exactlyOnce: the abort failed ({e})"));
+                return false;
+            }
+        }
+        self.seek_back(consumer, book, p, from)
+    }
+
+    /// Starts `p`'s books over from the group's committed watermark and map (read again, as on
+    /// assignment), under a new lease: its sessions write nothing more of its records (call
+    /// under the barrier: none is writing now). Returns where to seek, or `None` (and the
+    /// worker stops) when the committed offset cannot be read.
+    fn restart_from_commit(
+        &self,
+        consumer: &BaseConsumer<IntakeContext>,
+        book: &mut Book,
+        transactions: &Transactions<ProducerEvents>,
+        p: Partition,
+    ) -> Option<KafkaOffset> {
         let mut tpl = TopicPartitionList::new();
         tpl.add_partition(&self.settings.input, p);
         let committed = match consumer.committed_offsets(tpl, COMMITTED_TIMEOUT) {
@@ -259,11 +314,9 @@ impl IntakeContext {
                         "exactlyOnce: the committed offset to rewind to could not be read ({e})"
                     ),
                 );
-                return false;
+                return None;
             }
         };
-        // Its sessions write nothing more of its records (the barrier is ours: none is
-        // writing now), its books start over, the transaction is aborted and the next begun.
         book.next_epoch += 1;
         let lease = Arc::new(Lease::new(p, book.next_epoch));
         let (from, done_above) = match committed {
@@ -280,11 +333,19 @@ impl IntakeContext {
         if let (KafkaOffset::Offset(w), Some(o)) = (from, book.tracker.partition_mut(p)) {
             o.set_confirmed(w);
         }
-        if let Err(e) = transactions.abort(p) {
-            self.stop_fatally(p, &format!("exactlyOnce: the abort failed ({e})"));
-            return false;
-        }
-        // librdkafka drops what it had fetched from before the seek (its fetch version).
+        Some(from)
+    }
+
+    /// Has the consumer fetch `p` again `from` its last commit: librdkafka drops what it had
+    /// fetched from before the seek (its fetch version). False (and the worker stops) when
+    /// the seek fails.
+    fn seek_back(
+        &self,
+        consumer: &BaseConsumer<IntakeContext>,
+        book: &Book,
+        p: Partition,
+        from: KafkaOffset,
+    ) -> bool {
         if let Err(e) = consumer.seek(&self.settings.input, p, from, COMMITTED_TIMEOUT) {
             self.stop_fatally(
                 p,
@@ -295,6 +356,119 @@ impl IntakeContext {
         self.metrics.in_flight.set(book.tracker.in_flight() as i64);
         tracing::info!(partition = p, ?from, "partition rewound to its last commit");
         true
+    }
+
+    /// Gives `p` up: its producer is fenced (see the module doc). Nothing of its open
+    /// transaction commits (the broker aborted it when it fenced the producer); its lease is
+    /// revoked (its sessions write nothing more of it), its books are dropped and its records
+    /// are not taken in (`Phase::Fenced`) until [`IntakeContext::reopen_fenced`] or its
+    /// revocation. Call under the barrier, exclusively.
+    fn give_up(
+        &self,
+        book: &mut Book,
+        transactions: &Transactions<ProducerEvents>,
+        p: Partition,
+        cause: &dyn std::fmt::Display,
+    ) {
+        let Some(state) = book.partitions.get_mut(&p) else {
+            return;
+        };
+        self.count_abort(AbortReason::Fenced);
+        let given_up = state.unreleased;
+        book.next_epoch += 1;
+        state.lease.revoke();
+        *state = PartitionState::new(
+            Arc::new(Lease::new(p, book.next_epoch)),
+            DoneAbove::empty(0),
+        );
+        state.phase = Phase::Fenced {
+            since: Instant::now(),
+        };
+        book.tracker.revoke(p);
+        book.tracker.assign(p);
+        transactions.give_up(p);
+        self.metrics.in_flight.set(book.tracker.in_flight() as i64);
+        tracing::warn!(
+            partition = p,
+            cause = %cause,
+            given_up,
+            grace_ms = self.settings.session_timeout.as_millis() as u64,
+            "exactlyOnce: the partition's transactional producer is fenced (another producer \
+             has its transactional id): the partition is given up — its open transaction is \
+             not committed (the broker aborted it), its records in flight are dropped, nothing \
+             more of it is written; the other partitions go on. If the group still assigns it \
+             here after the grace, its producer is opened again and it replays from its last \
+             commit"
+        );
+    }
+
+    /// Reopens the partitions given up for a fence ([`IntakeContext::give_up`]) that the
+    /// group still assigns to this worker a grace after: the group's session timeout, within
+    /// which a member the group gave up on learns it at its next heartbeat (and the
+    /// revocation or loss forgets the partition here). Their new producer's init fences
+    /// whoever has the transactional id; then they rewind to their last commit (read after the
+    /// init, as on assignment). Called by the loop now and then; does nothing while the
+    /// membership fence is closed.
+    pub(super) fn reopen_fenced(
+        &self,
+        consumer: &BaseConsumer<IntakeContext>,
+        book: &mut Book,
+        transactions: &Transactions<ProducerEvents>,
+    ) {
+        if self.fatal.is_cancelled() || !self.producer.gate().is_open() {
+            return;
+        }
+        let grace = self.settings.session_timeout;
+        let due: Vec<Partition> = book
+            .partitions
+            .iter()
+            .filter(|(_, s)| matches!(s.phase, Phase::Fenced { since } if since.elapsed() >= grace))
+            .map(|(p, _)| *p)
+            .collect();
+        if due.is_empty() {
+            return;
+        }
+        let assigned = consumer.assignment().unwrap_or_default();
+        for p in due {
+            if assigned.find_partition(&self.settings.input, p).is_none() {
+                continue; // leaving: its revocation forgets it
+            }
+            if let Err(e) = transactions.open(p) {
+                if is_fence(&e) || transactions.is_fenced(p) {
+                    // Fenced again at once: another grace.
+                    transactions.give_up(p);
+                    if let Some(state) = book.partitions.get_mut(&p) {
+                        state.phase = Phase::Fenced {
+                            since: Instant::now(),
+                        };
+                    }
+                    tracing::warn!(partition = p, error = %e,
+                        "exactlyOnce: the given-up partition's producer could not be reopened; \
+                         trying again after another grace");
+                    continue;
+                }
+                self.stop_fatally(
+                    p,
+                    &format!("exactlyOnce: the partition's producer could not be reopened ({e})"),
+                );
+                return;
+            }
+            let Some(_exclusive) = self.barrier(transactions) else {
+                return;
+            };
+            tracing::warn!(
+                partition = p,
+                "exactlyOnce: the group still assigns the given-up partition here after the \
+                 grace: its transactional producer is reopened (fencing whoever had its id) \
+                 and it replays from its last commit"
+            );
+            let Some(from) = self.restart_from_commit(consumer, book, transactions, p) else {
+                return;
+            };
+            if !self.seek_back(consumer, book, p, from) {
+                return;
+            }
+        }
     }
 
     /// The write barrier, exclusively, or `None` (and the worker stops: the restart replays
@@ -345,7 +519,8 @@ impl IntakeContext {
                     *p,
                     &format!(
                         "exactlyOnce: the partition's transactional producer could not be opened \
-                     ({e}); the worker stops"
+                     ({e}; exactlyOnce needs a broker with transactions, Apache Kafka ≥ 2.5); \
+                     the worker stops"
                     ),
                 );
                 return false;

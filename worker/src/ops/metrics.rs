@@ -53,10 +53,12 @@ pub struct Metrics {
     pub final_commit_failures: IntCounter,
     pub fatal_errors: IntCounter,
     /// `exactlyOnce`: partition transactions by result (`committed`, `aborted`) and, for an
-    /// abort, reason (`write`, `commit`, `fence`; empty for a commit).
+    /// abort, reason (`write`, `commit`, `fence`, `fenced`; empty for a commit).
     pub transactions: IntCounterVec,
     /// `exactlyOnce`: barrier + offsets + commit of one partition's transaction.
     pub transaction_commit_seconds: Histogram,
+    /// `exactlyOnce`: input records one committed partition transaction marks done.
+    pub transaction_records: Histogram,
     /// 1 when the stage runs `delivery: exactlyOnce`.
     pub eos_enabled: IntGauge,
 }
@@ -182,7 +184,8 @@ impl Metrics {
                 "transactions_total",
                 "exactlyOnce: partition transactions ended, by result (committed, aborted) and \
                  the abort's reason (write: a write refused; commit: the offsets or the end \
-                 refused; fence: writes purged).",
+                 refused; fence: writes purged; fenced: the partition's producer fenced by \
+                 another with its transactional id, the partition given up).",
             ),
             &["result", "reason"],
         )
@@ -197,6 +200,20 @@ impl Metrics {
         )
         .expect("valid metric");
         registry.add(transaction_commit_seconds.clone());
+        let transaction_records = Histogram::with_opts(
+            HistogramOpts::new(
+                "transaction_records",
+                "exactlyOnce: input records a committed partition transaction marks done (their \
+                 outputs and dead letters are in it): records settled since the partition's \
+                 previous commit, observed at each commit.",
+            )
+            .buckets(vec![
+                1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1_000.0, 2_500.0, 5_000.0,
+                10_000.0, 25_000.0,
+            ]),
+        )
+        .expect("valid metric");
+        registry.add(transaction_records.clone());
         let eos_enabled = gauge(
             "eos_enabled",
             "1 when the stage runs delivery: exactlyOnce (outputs, dead letters and offsets in \
@@ -318,6 +335,7 @@ impl Metrics {
             fatal_errors,
             transactions,
             transaction_commit_seconds,
+            transaction_records,
             eos_enabled,
         }
     }

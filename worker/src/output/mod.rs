@@ -4,9 +4,11 @@
 //! says what a dead letter carries. When a record counts as done is the session's business
 //! (`session::settle`), not the producer's. In `exactlyOnce` every write goes through the
 //! transactional producer of its record's input partition ([`transactions`]), once
-//! [`transaction_probe`] has found that the brokers take them.
+//! [`transaction_probe`] has found that the brokers take them; one fenced by another producer
+//! with its transactional id is reported per partition ([`fenced`]).
 
 pub mod dlq;
+pub mod fenced;
 pub mod producer;
 pub mod transaction_probe;
 pub mod transactions;

@@ -11,7 +11,8 @@
 //!
 //! The client's fatal errors (an idempotent producer that can no longer guarantee order) are
 //! caught by [`ProducerEvents`]: the worker goes not-ready and stops, and a restart replays
-//! what was in flight.
+//! what was in flight. (In `exactlyOnce` a partition's transactional producer reports its own
+//! fatal error, a fence, to the loop instead: `output::fenced`.)
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -107,6 +108,14 @@ pub enum WriteError {
 }
 
 impl WriteError {
+    /// Refused because the `exactlyOnce` partition producer was fenced (`output::fenced`).
+    pub fn is_fence(&self) -> bool {
+        match self {
+            Self::Refused(e) | Self::NotAcknowledged(e) => crate::output::fenced::is_fence(e),
+            Self::Dropped => false,
+        }
+    }
+
     /// Given up by this worker ([`StageProducer::purge`]), not refused by the broker.
     pub fn is_purged(&self) -> bool {
         matches!(
@@ -190,6 +199,17 @@ impl StageProducer {
     pub fn has_failed(&self) -> bool {
         self.inner.events.fatal.is_cancelled()
             || self.inner.producer.client().fatal_error().is_some()
+    }
+
+    /// Whether writes of input `partition` can no longer land: the client has failed, or (in
+    /// `exactlyOnce`) the partition's transactional producer was fenced.
+    pub fn has_failed_for(&self, partition: Partition) -> bool {
+        self.has_failed()
+            || self
+                .inner
+                .transactions
+                .as_ref()
+                .is_some_and(|t| t.is_fenced(partition))
     }
 
     /// The gate every write passes first (see `membership`).
@@ -294,34 +314,22 @@ impl StageProducer {
         if let Some(p) = payload {
             record = record.payload(p);
         }
-        let transactional = match &self.inner.transactions {
+        let ack = match &self.inner.transactions {
             Some(t) => match t.producer(partition) {
-                Some(p) => Some(p),
+                Some(p) => send(&p, record).await?,
                 None => {
                     return Err(KafkaError::MessageProduction(RDKafkaErrorCode::PurgeQueue));
                 }
             },
-            None => None,
+            None => send(&self.inner.producer, record).await?,
         };
-        let producer = transactional.as_ref().unwrap_or(&self.inner.producer);
-        loop {
-            match producer.send_result(record) {
-                Ok(ack) => {
-                    // A write that passed the membership fence as it closed may have been
-                    // queued after the fence's purge: take it back too (nothing else may be
-                    // queued while the gate is closed, so this purges only such writes).
-                    if !self.inner.gate.is_open() {
-                        self.purge();
-                    }
-                    return Ok(ack);
-                }
-                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
-                    record = r;
-                    tokio::time::sleep(QUEUE_FULL_BACKOFF).await;
-                }
-                Err((e, _)) => return Err(e),
-            }
+        // A write that passed the membership fence as it closed may have been queued after
+        // the fence's purge: take it back too (nothing else may be queued while the gate is
+        // closed, so this purges only such writes).
+        if !self.inner.gate.is_open() {
+            self.purge();
         }
+        Ok(ack)
     }
 
     /// The record is done: its result is acknowledged (or it needed none).
@@ -363,6 +371,23 @@ impl StageProducer {
     /// The librdkafka client, for fault-injection tests.
     pub fn client(&self) -> &FutureProducer<ProducerEvents> {
         &self.inner.producer
+    }
+}
+
+/// Enqueues `record` with `producer`, waiting while librdkafka's local queue is full.
+async fn send<C: ClientContext + 'static>(
+    producer: &FutureProducer<C>,
+    mut record: FutureRecord<'_, [u8], [u8]>,
+) -> Result<DeliveryFuture, KafkaError> {
+    loop {
+        match producer.send_result(record) {
+            Ok(ack) => return Ok(ack),
+            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
+                record = r;
+                tokio::time::sleep(QUEUE_FULL_BACKOFF).await;
+            }
+            Err((e, _)) => return Err(e),
+        }
     }
 }
 

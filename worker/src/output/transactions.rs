@@ -18,6 +18,10 @@
 //! struck; one struck [`POISON_ABORTS`] times in a row is poison: its next write is a dead
 //! letter ([`Transactions::is_poisoned`]), so that one record cannot make the partition abort
 //! for ever.
+//!
+//! A producer fenced by another one with its transactional id is done for good: its fatal error
+//! is noted per partition (`output::fenced`), and the loop gives that partition up
+//! ([`Transactions::give_up`]) instead of aborting, until it reopens it.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -35,6 +39,7 @@ use tokio::sync::{OwnedRwLockReadGuard, OwnedRwLockWriteGuard, RwLock};
 
 use crate::commit::exactly_once::transactional_id;
 use crate::commit::offsets::{Offset, Partition};
+use crate::output::fenced::{Fenced, PartitionEvents};
 
 /// How long a transaction call (init, offsets, commit, abort) may take.
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);
@@ -56,16 +61,20 @@ pub enum AbortReason {
     /// Writes of the transaction were given up (purged): the membership fence, or a purge for
     /// partitions leaving this worker.
     Fence,
+    /// The partition's producer was fenced (another producer has its transactional id): the
+    /// broker aborted the transaction; the partition is given up, and reopened after a grace.
+    Fenced,
 }
 
 impl AbortReason {
-    pub const ALL: [AbortReason; 3] = [Self::Write, Self::Commit, Self::Fence];
+    pub const ALL: [AbortReason; 4] = [Self::Write, Self::Commit, Self::Fence, Self::Fenced];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Write => "write",
             Self::Commit => "commit",
             Self::Fence => "fence",
+            Self::Fenced => "fenced",
         }
     }
 }
@@ -126,7 +135,9 @@ pub struct Transactions<C: ClientContext + Clone + 'static> {
     group: String,
     topic: String,
     events: C,
-    producers: Mutex<HashMap<Partition, FutureProducer<C>>>,
+    producers: Mutex<HashMap<Partition, FutureProducer<PartitionEvents<C>>>>,
+    /// Partitions whose producer reported a fatal error (see `output::fenced`).
+    fenced: Arc<Fenced>,
     barrier: Arc<RwLock<()>>,
     /// Partitions whose open transaction can no longer commit; `any_doomed` says whether there
     /// is one without taking the lock (read every turn of the loop).
@@ -154,6 +165,7 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
             topic: topic.into(),
             events,
             producers: Mutex::default(),
+            fenced: Arc::default(),
             barrier: Arc::default(),
             doomed: Mutex::default(),
             any_doomed: AtomicBool::new(false),
@@ -163,7 +175,9 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
         }
     }
 
-    fn producers(&self) -> std::sync::MutexGuard<'_, HashMap<Partition, FutureProducer<C>>> {
+    fn producers(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<Partition, FutureProducer<PartitionEvents<C>>>> {
         locked(&self.producers)
     }
 
@@ -267,18 +281,19 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
         locked(&self.poisoned).retain(|(p, o)| *p != partition || *o >= watermark);
     }
 
-    /// Opens `partition`'s producer: init (fencing any older owner's) and begin. Blocking.
-    pub fn open(&self, partition: Partition) -> anyhow::Result<()> {
+    /// Opens `partition`'s producer: init (fencing any older owner's, and any other producer
+    /// with its transactional id) and begin. Blocking.
+    pub fn open(&self, partition: Partition) -> KafkaResult<()> {
         let id = transactional_id(&self.group, &self.topic, partition);
         let mut config = self.config.clone();
         config.set("transactional.id", &id);
-        let producer: FutureProducer<C> = config.create_with_context(self.events.clone())?;
-        producer.init_transactions(CALL_TIMEOUT).map_err(|e| {
-            anyhow::anyhow!(
-                "init_transactions of {id} failed ({e}): exactlyOnce needs a broker with \
-                 transactions (Apache Kafka ≥ 2.5)"
-            )
-        })?;
+        let events = PartitionEvents {
+            inner: self.events.clone(),
+            partition,
+            fenced: self.fenced.clone(),
+        };
+        let producer: FutureProducer<PartitionEvents<C>> = config.create_with_context(events)?;
+        producer.init_transactions(CALL_TIMEOUT)?;
         producer.begin_transaction()?;
         tracing::info!(partition, transactional_id = %id, "transactional producer opened");
         self.producers().insert(partition, producer);
@@ -286,8 +301,51 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
     }
 
     /// The producer of `partition`, if it is open.
-    pub fn producer(&self, partition: Partition) -> Option<FutureProducer<C>> {
+    pub fn producer(&self, partition: Partition) -> Option<FutureProducer<PartitionEvents<C>>> {
         self.producers().get(&partition).cloned()
+    }
+
+    /// Whether `partition`'s open producer has failed for good (fenced): nothing it holds can
+    /// commit, and nothing more can be written with it.
+    pub fn is_fenced(&self, partition: Partition) -> bool {
+        self.producers()
+            .get(&partition)
+            .is_some_and(|p| p.client().fatal_error().is_some())
+    }
+
+    /// Notes that `partition`'s producer looks fenced (a write refused so): the loop looks.
+    pub fn note_fenced(&self, partition: Partition) {
+        self.fenced.note(partition);
+    }
+
+    /// Whether a partition's producer was noted as fenced (no lock taken).
+    pub fn any_fenced(&self) -> bool {
+        self.fenced.any()
+    }
+
+    /// The partitions noted as fenced since the last call.
+    pub fn take_fenced(&self) -> Vec<Partition> {
+        self.fenced.take()
+    }
+
+    /// Gives `partition`'s fenced producer up: forgets its dooms and strikes, takes back what
+    /// it still holds and drops it, with no commit and no abort (the broker aborted its
+    /// transaction when it fenced it). [`Transactions::open`] makes a new one.
+    pub fn give_up(&self, partition: Partition) {
+        self.forget(partition);
+        // Out of the map first: the purge and the client's destruction are not done under
+        // the lock every write takes.
+        let producer = self.producers().remove(&partition);
+        if let Some(producer) = producer {
+            producer.purge(rdkafka::producer::PurgeConfig::default().queue().inflight());
+        }
+    }
+
+    fn forget(&self, partition: Partition) {
+        locked(&self.doomed).remove(&partition);
+        locked(&self.epochs).remove(&partition);
+        locked(&self.strikes).remove(&partition);
+        locked(&self.poisoned).retain(|(p, _)| *p != partition);
     }
 
     /// A write's share of the barrier (waits while a commit holds it).
@@ -372,10 +430,7 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
     /// Aborts `partition`'s open transaction (what it wrote since its last commit is never
     /// visible to read_committed readers) and closes its producer.
     pub fn abort_and_close(&self, partition: Partition) {
-        locked(&self.doomed).remove(&partition);
-        locked(&self.epochs).remove(&partition);
-        locked(&self.strikes).remove(&partition);
-        locked(&self.poisoned).retain(|(p, _)| *p != partition);
+        self.forget(partition);
         if let Some(producer) = self.producers().remove(&partition) {
             if let Err(e) = producer.abort_transaction(CALL_TIMEOUT) {
                 tracing::warn!(partition, error = %e, "abort of the open transaction failed \

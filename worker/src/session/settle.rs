@@ -249,6 +249,13 @@ impl Settler<'_> {
         let Some(transactions) = self.producer.transactions() else {
             return false;
         };
+        if error.is_fence() || transactions.is_fenced(record.partition) {
+            // Not the record's doing: the partition's producer was fenced. The loop gives the
+            // partition up (nothing of its transaction commits) and replays it if it is still
+            // this worker's after a grace.
+            transactions.note_fenced(record.partition);
+            return true;
+        }
         // Refused at once because the transaction is doomed already: not this record's doing.
         let innocent = matches!(
             error,
@@ -287,9 +294,12 @@ impl Settler<'_> {
     /// A purged write whose partition is still this worker's, whose stop has not come and
     /// whose producer has not failed was taken back by the membership fence: it is written
     /// again once the gate opens. (A stop purges only after revoking every lease; a fatal
-    /// error purges the client's queues itself, and its records are released for the restart.)
+    /// error purges the client's queues itself, and its records are released for the restart,
+    /// or, for a fenced partition producer, for the partition's replay.)
     fn purged_by_the_fence(&self, record: &InputRecord) -> bool {
-        !record.lease.is_revoked() && !self.abort.is_cancelled() && !self.producer.has_failed()
+        !record.lease.is_revoked()
+            && !self.abort.is_cancelled()
+            && !self.producer.has_failed_for(record.partition)
     }
 }
 

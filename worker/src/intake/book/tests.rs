@@ -498,3 +498,28 @@ fn closing_counts_what_the_close_s_revocations_left_unconfirmed() {
         }
     );
 }
+
+/// `sessionflow_transaction_records`: a commit takes the records settled since the last one —
+/// completed, not released, under the partition's current lease — and counts from zero again.
+#[test]
+fn a_commit_takes_the_records_settled_since_the_last_one() {
+    let (mut book, _tx, _metrics) = book();
+    assert!(book.assign(0, None));
+    take(&mut book, 0, 0..5);
+    complete(&mut book, 0, 0..3);
+    let mut released = done(&book, 0, 3);
+    released.done = false;
+    book.apply(released);
+    let mut stale = done(&book, 0, 4);
+    stale.epoch += 1;
+    book.apply(stale);
+    assert_eq!(
+        book.take_settled(0),
+        3,
+        "done under the lease, not released, not stale"
+    );
+    assert_eq!(book.take_settled(0), 0, "counted from zero again");
+    complete(&mut book, 0, [4]);
+    assert_eq!(book.take_settled(0), 1);
+    assert_eq!(book.take_settled(9), 0, "a partition not in the book");
+}
