@@ -16,7 +16,7 @@
 //! fenced producer (another owner has the partition) or an abort that fails stops the worker,
 //! as before.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -89,6 +89,7 @@ impl IntakeContext {
             return book.unsettled(&partitions);
         };
         let mut failed = 0;
+        let mut due = Vec::new();
         for p in partitions {
             // A leaving partition's doom stays: nothing of its transaction may commit, ever.
             let doom = if force {
@@ -113,14 +114,16 @@ impl IntakeContext {
                 continue;
             }
             let offsets = book.commit_list(Some(&[p]), force);
-            if offsets.count() == 0 {
-                continue;
+            if offsets.count() > 0 {
+                due.push((p, offsets));
             }
-            let started = Instant::now();
-            let result = transactions.commit(p, &offsets, &group);
+        }
+        // All at once (each partition has its own producer), still under the barrier.
+        let mut stopping = false;
+        for (p, offsets, result, took) in transactions.commit_each(due, &group) {
             self.metrics
                 .transaction_commit_seconds
-                .observe(started.elapsed().as_secs_f64());
+                .observe(took.as_secs_f64());
             failed += book.commit_answered(&result, &offsets, &self.metrics);
             match result {
                 Ok(()) => {
@@ -136,26 +139,29 @@ impl IntakeContext {
                     }
                     tracing::debug!(
                         partition = p,
-                        ms = started.elapsed().as_millis() as u64,
+                        ms = took.as_millis() as u64,
                         "transaction committed"
                     );
                 }
                 Err(e) if is_fatal(&e) => {
                     self.count_abort(AbortReason::Commit);
-                    self.stop_fatally(
-                        p,
-                        &format!(
-                            "exactlyOnce: the partition's producer is fenced or failed ({e}); the \
-                         worker stops (the restart replays from the last committed transaction)"
-                        ),
-                    );
-                    return failed;
+                    if !stopping {
+                        self.stop_fatally(
+                            p,
+                            &format!(
+                                "exactlyOnce: the partition's producer is fenced or failed ({e}); \
+                                 the worker stops (the restart replays from the last committed \
+                                 transaction)"
+                            ),
+                        );
+                    }
+                    stopping = true;
                 }
-                Err(e) if force => {
+                Err(e) if force || stopping => {
                     self.count_abort(AbortReason::Commit);
                     tracing::warn!(partition = p, error = %e,
-                        "leaving partition's transaction did not commit: aborted at its close; \
-                         the next owner replays from the last commit");
+                        "transaction did not commit: aborted at its producer's close; the next \
+                         owner replays from the last commit");
                 }
                 Err(e) => {
                     tracing::warn!(partition = p, error = %e,
@@ -166,9 +172,7 @@ impl IntakeContext {
                         record: None,
                         epoch: None,
                     };
-                    if !self.rewind_transaction(consumer, book, transactions, p, doom) {
-                        return failed;
-                    }
+                    stopping = !self.rewind_transaction(consumer, book, transactions, p, doom);
                 }
             }
         }
