@@ -4,7 +4,10 @@
 //! A commit takes the write barrier exclusively (every write of the transaction acknowledged,
 //! its record's completion sent), applies the completions, and commits each partition's
 //! transaction with its watermark and completed-offset map, sent with the consumer's group
-//! metadata.
+//! metadata. The partitions' commits run at the same time (each partition has its own
+//! producer): a commit is several broker round trips, and the barrier — every write of the
+//! stage — and the consumer loop wait for the turn, which now lasts as long as its slowest
+//! commit rather than the sum of them.
 //!
 //! A transaction that cannot commit — a write of it refused or purged (it is *doomed*, see
 //! `output::transactions`), or its offsets or end refused — is aborted, and its partition
@@ -16,7 +19,7 @@
 //! fenced producer (another owner has the partition) or an abort that fails stops the worker,
 //! as before.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -120,7 +123,16 @@ impl IntakeContext {
         }
         // All at once (each partition has its own producer), still under the barrier.
         let mut stopping = false;
-        for (p, offsets, result, took) in transactions.commit_each(due, &group) {
+        let (turn, partitions) = (Instant::now(), due.len());
+        let answers = transactions.commit_each(due, &group);
+        if partitions > 0 {
+            tracing::debug!(
+                partitions,
+                ms = turn.elapsed().as_millis() as u64,
+                "commit turn"
+            );
+        }
+        for (p, offsets, result, took) in answers {
             self.metrics
                 .transaction_commit_seconds
                 .observe(took.as_secs_f64());
