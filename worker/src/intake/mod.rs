@@ -271,13 +271,14 @@ impl IntakeLoop {
             let (holding, released) = self.relieve_pressure();
             self.take_commit_answers();
             // Every interval, and early when a partition's replay span reaches half its cap
-            // (the cap counts from the last confirmed commit, so commits must keep up).
+            // (the cap counts from the last confirmed commit, so commits must keep up;
+            // three quarters in exactlyOnce, see `Book::commit_urgent`).
             let interval = last_commit.elapsed() >= self.ctx().settings.commit_interval;
             if interval
-                || self
-                    .ctx()
-                    .book()
-                    .commit_urgent(self.ctx().settings.max_in_flight_per_partition)
+                || self.ctx().book().commit_urgent(
+                    self.ctx().settings.max_in_flight_per_partition,
+                    self.producer.transactions().is_some(),
+                )
             {
                 self.commit_in_background(interval);
             }

@@ -4,7 +4,10 @@
 //! A commit takes the write barrier exclusively (every write of the transaction acknowledged,
 //! its record's completion sent), applies the completions, and commits each partition's
 //! transaction with its watermark and completed-offset map, sent with the consumer's group
-//! metadata.
+//! metadata. The partitions' commits run at the same time (each partition has its own
+//! producer): a commit is several broker round trips, and the barrier — every write of the
+//! stage — and the consumer loop wait for the turn, which now lasts as long as its slowest
+//! commit rather than the sum of them.
 //!
 //! A transaction that cannot commit — a write of it refused or purged (it is *doomed*, see
 //! `output::transactions`), or its offsets or end refused — is aborted, and its partition
@@ -89,6 +92,7 @@ impl IntakeContext {
             return book.unsettled(&partitions);
         };
         let mut failed = 0;
+        let mut due = Vec::new();
         for p in partitions {
             // A leaving partition's doom stays: nothing of its transaction may commit, ever.
             let doom = if force {
@@ -113,14 +117,25 @@ impl IntakeContext {
                 continue;
             }
             let offsets = book.commit_list(Some(&[p]), force);
-            if offsets.count() == 0 {
-                continue;
+            if offsets.count() > 0 {
+                due.push((p, offsets));
             }
-            let started = Instant::now();
-            let result = transactions.commit(p, &offsets, &group);
+        }
+        // All at once (each partition has its own producer), still under the barrier.
+        let mut stopping = false;
+        let (turn, partitions) = (Instant::now(), due.len());
+        let answers = transactions.commit_each(due, &group);
+        if partitions > 0 {
+            tracing::debug!(
+                partitions,
+                ms = turn.elapsed().as_millis() as u64,
+                "commit turn"
+            );
+        }
+        for (p, offsets, result, took) in answers {
             self.metrics
                 .transaction_commit_seconds
-                .observe(started.elapsed().as_secs_f64());
+                .observe(took.as_secs_f64());
             failed += book.commit_answered(&result, &offsets, &self.metrics);
             match result {
                 Ok(()) => {
@@ -139,7 +154,7 @@ impl IntakeContext {
                     }
                     tracing::debug!(
                         partition = p,
-                        ms = started.elapsed().as_millis() as u64,
+                        ms = took.as_millis() as u64,
                         "transaction committed"
                     );
                 }
@@ -155,21 +170,23 @@ impl IntakeContext {
                 }
                 Err(e) if is_fatal(&e) => {
                     self.count_abort(AbortReason::Commit);
-                    self.stop_fatally(
-                        p,
-                        &format!(
-                            "exactlyOnce: the partition's transaction call did not return in time \
-                         ({e}); the worker stops (the restart replays from the last committed \
-                         transaction)"
-                        ),
-                    );
-                    return failed;
+                    if !stopping {
+                        self.stop_fatally(
+                            p,
+                            &format!(
+                                "exactlyOnce: the partition's transaction call did not return in \
+                                 time ({e}); the worker stops (the restart replays from the last \
+                                 committed transaction)"
+                            ),
+                        );
+                    }
+                    stopping = true;
                 }
-                Err(e) if force => {
+                Err(e) if force || stopping => {
                     self.count_abort(AbortReason::Commit);
                     tracing::warn!(partition = p, error = %e,
-                        "leaving partition's transaction did not commit: aborted at its close; \
-                         the next owner replays from the last commit");
+                        "transaction did not commit: aborted at its producer's close; the next \
+                         owner replays from the last commit");
                 }
                 Err(e) => {
                     tracing::warn!(partition = p, error = %e,
@@ -180,9 +197,7 @@ impl IntakeContext {
                         record: None,
                         epoch: None,
                     };
-                    if !self.rewind_transaction(consumer, book, transactions, p, doom) {
-                        return failed;
-                    }
+                    stopping = !self.rewind_transaction(consumer, book, transactions, p, doom);
                 }
             }
         }

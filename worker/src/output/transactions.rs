@@ -417,6 +417,28 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
         producer.begin_transaction()
     }
 
+    /// Commits the transactions of `due` (each partition with its offsets, as
+    /// [`Transactions::commit`]) at the same time, one thread each: each partition has its own
+    /// producer, and a commit is several broker round trips (`AddOffsetsToTxn`,
+    /// `TxnOffsetCommit`, `EndTxn`), which one after another held the barrier — every write of
+    /// the stage, and the consumer loop — for the sum of them. Returns each partition's answer
+    /// and how long its commit took, in the order of `due`. Call under
+    /// [`Transactions::exclusive`], held until this returns: every commit has then ended, and
+    /// the next transactions have begun. Blocking; each commit keeps its own bounds (the
+    /// send-offsets deadline, the `EndTxn` timeout), so this takes the longest of them, not
+    /// their sum.
+    pub fn commit_each(
+        &self,
+        due: Vec<(Partition, TopicPartitionList)>,
+        group: &Arc<ConsumerGroupMetadata>,
+    ) -> Vec<(Partition, TopicPartitionList, KafkaResult<()>, Duration)> {
+        concurrently(due, |(p, offsets)| {
+            let started = Instant::now();
+            let result = self.commit(p, &offsets, group);
+            (p, offsets, result, started.elapsed())
+        })
+    }
+
     /// Aborts `partition`'s open transaction and begins the next, keeping the producer (a
     /// rewind). Call under [`Transactions::exclusive`]. Blocking.
     pub fn abort(&self, partition: Partition) -> KafkaResult<()> {
@@ -467,6 +489,44 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
             self.abort_and_close(p);
         }
     }
+}
+
+/// `call` on each of `items`, each on a scoped thread of its own (the first on this one), all
+/// at once; the answers in the order of `items`. A thread that cannot be started runs its call
+/// here, after the others have started.
+fn concurrently<T: Send, R: Send>(items: Vec<T>, call: impl Fn(T) -> R + Sync) -> Vec<R> {
+    let call = &call;
+    std::thread::scope(|scope| {
+        let mut items = items.into_iter();
+        let Some(first) = items.next() else {
+            return Vec::new();
+        };
+        let others: Vec<Result<_, T>> = items
+            .map(|item| {
+                // The item goes back if the thread does not start.
+                let slot = Arc::new(Mutex::new(Some(item)));
+                let theirs = slot.clone();
+                std::thread::Builder::new()
+                    .name("txn-commit".into())
+                    .spawn_scoped(scope, move || {
+                        let item = locked(&theirs).take();
+                        item.map(call)
+                    })
+                    .map_err(|_| locked(&slot).take().expect("not started, not taken"))
+            })
+            .collect();
+        let mut answers = vec![call(first)];
+        for other in others {
+            answers.push(match other {
+                Ok(thread) => match thread.join() {
+                    Ok(answer) => answer.expect("a started thread takes its item"),
+                    Err(panic) => std::panic::resume_unwind(panic),
+                },
+                Err(item) => call(item),
+            });
+        }
+        answers
+    })
 }
 
 /// `send_offsets_to_transaction`, waited for at most [`CALL_TIMEOUT`] + 5 s.
@@ -541,6 +601,34 @@ mod tests {
             stuck.unwrap_err().rdkafka_error_code(),
             Some(RDKafkaErrorCode::Fatal)
         );
+    }
+
+    #[test]
+    fn a_turns_commits_run_at_the_same_time_and_answer_in_their_partitions_order() {
+        // Each call waits until every call has started: one after another, the first would
+        // wait alone (here until the bound, then answer false).
+        let started = Mutex::new(0usize);
+        let all_started = std::sync::Condvar::new();
+        let n = 8;
+        let answers = concurrently((0..n).collect(), |i: usize| {
+            let mut count = locked(&started);
+            *count += 1;
+            all_started.notify_all();
+            let (count, _) = all_started
+                .wait_timeout_while(count, Duration::from_secs(10), |c| *c < n)
+                .unwrap();
+            // Later items answer first: the answers still come in the items' order.
+            drop(count);
+            std::thread::sleep(Duration::from_millis((n - i) as u64));
+            (i, *locked(&started) == n)
+        });
+        assert_eq!(
+            answers,
+            (0..n).map(|i| (i, true)).collect::<Vec<_>>(),
+            "every commit of the turn started before any ended, answers in order"
+        );
+        assert!(concurrently(Vec::<u8>::new(), |_| ()).is_empty());
+        assert_eq!(concurrently(vec![3], |i| i * 2), vec![6]);
     }
 
     #[test]

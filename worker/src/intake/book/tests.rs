@@ -428,15 +428,41 @@ fn a_commit_is_urgent_once_the_replay_span_reaches_half_the_cap() {
     let cap = 8;
     take(&mut book, 0, 0..3);
     complete(&mut book, 0, 0..3);
-    assert!(!book.commit_urgent(cap));
+    assert!(!book.commit_urgent(cap, false));
     take(&mut book, 0, 3..4);
     // Span 4 of a cap of 8, nothing confirmed yet.
-    assert!(book.commit_urgent(cap));
+    assert!(book.commit_urgent(cap, false));
     let tpl = book.commit_list(None, false);
     // On its way: not urgent again.
-    assert!(!book.commit_urgent(cap));
+    assert!(!book.commit_urgent(cap, false));
     book.commit_answered(&Ok(()), &tpl, &metrics);
-    assert!(!book.commit_urgent(cap));
+    assert!(!book.commit_urgent(cap, false));
+}
+
+#[test]
+fn in_exactly_once_a_commit_is_urgent_only_from_three_quarters_of_the_cap() {
+    let (mut book, _tx, metrics) = book();
+    book.assign(0, None);
+    let cap = 16;
+    take(&mut book, 0, 0..8);
+    complete(&mut book, 0, 0..3);
+    // Span 8 of 16: urgent in atLeastOnce, not yet in exactlyOnce (a commit turn there stops
+    // the loop and every write for its round trips).
+    assert!(book.commit_urgent(cap, false));
+    assert!(!book.commit_urgent(cap, true));
+    take(&mut book, 0, 8..12);
+    // Span 12: three quarters.
+    assert!(book.commit_urgent(cap, true));
+    let tpl = book.commit_list(None, false);
+    book.commit_answered(&Ok(()), &tpl, &metrics);
+    // Confirmed at 3, the span from there 12; 2 more done gain less than 3/16 of the cap (3)
+    // in exactlyOnce, an eighth (2) in atLeastOnce.
+    take(&mut book, 0, 12..15);
+    complete(&mut book, 0, 3..5);
+    assert!(book.commit_urgent(cap, false));
+    assert!(!book.commit_urgent(cap, true));
+    complete(&mut book, 0, 5..6);
+    assert!(book.commit_urgent(cap, true));
 }
 
 #[test]
