@@ -79,6 +79,10 @@ struct Cli {
     /// 100 ms (their rows' labels still read 100 ms): a growth point of exactlyOnce's cost.
     #[arg(long)]
     variant_commit_interval_ms: Option<u64>,
+    /// The input topic's partitions in every scenario run, instead of its own (8): a growth
+    /// point, e.g. of exactlyOnce's cost (one transaction per partition per commit interval).
+    #[arg(long, value_parser = clap::value_parser!(i32).range(1..=1_000))]
+    partitions: Option<i32>,
     /// Workers of the flat-pool baseline.
     #[arg(long, default_value_t = 64)]
     pool_workers: usize,
@@ -179,6 +183,13 @@ async fn main() -> anyhow::Result<()> {
             continue;
         }
         sc.systems = systems::select(&sc.systems, &cli.systems, cli.sessionflow_output);
+        if let Some(n) = cli.partitions {
+            sc.partitions = n;
+            sc.what = format!(
+                "{} Run on {n} partitions instead (`--partitions {n}`).",
+                sc.what
+            );
+        }
         if sc.systems.is_empty() {
             continue;
         }
