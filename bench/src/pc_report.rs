@@ -38,7 +38,12 @@ pub fn section(full: &str, results_dir: &str) -> String {
         if line.starts_with('#') {
             md.push('#');
         }
-        md.push_str(&line.replace("bench/results/", &format!("{results_dir}/")));
+        if line.starts_with("- command:") {
+            // The command names its results directory as given.
+            md.push_str(line);
+        } else {
+            md.push_str(&line.replace("bench/results/", &format!("{results_dir}/")));
+        }
         md.push('\n');
     }
     md.push_str(END);
@@ -141,7 +146,8 @@ pub fn table(outcomes: &[Outcome], md: &mut String, sf: SystemKind, pc: SystemKi
 mod tests {
     use super::*;
 
-    const FULL: &str = "# sessionflow benchmarks\n\nlead\n\n## Conditions\n\n- x\n\n### P1: t\n\n\
+    const FULL: &str = "# sessionflow benchmarks\n\nlead\n\n## Conditions\n\n\
+                        - command: `b --results-dir bench/results/pc`\n\n### P1: t\n\n\
                         | a |\n\n## Charts\n\n![c](bench/results/throughput.svg)\n";
 
     #[test]
@@ -151,6 +157,7 @@ mod tests {
         assert!(s.contains("\n### Conditions\n"));
         assert!(s.contains("\n#### P1: t\n"));
         assert!(s.contains("](bench/results/pc/throughput.svg)"));
+        assert!(s.contains("`b --results-dir bench/results/pc`"), "{s}");
         assert!(!s.contains("lead"), "the full run's lead is not repeated");
     }
 
