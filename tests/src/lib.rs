@@ -510,6 +510,26 @@ impl WorkerProcess {
         self.child.try_wait().expect("wait")
     }
 
+    /// Waits up to `within` for `line` in the worker's log at `log`, while the worker runs;
+    /// panics, with the log, if the worker stops first (`what` names the event in the message)
+    /// or the line does not come.
+    pub async fn wait_for_log(
+        &mut self,
+        log: &std::path::Path,
+        line: &str,
+        what: &str,
+        within: Duration,
+    ) {
+        let read = || std::fs::read_to_string(log).unwrap_or_default();
+        let seen = wait_until(within, || read().contains(line) || !self.running()).await;
+        assert!(
+            self.running(),
+            "the worker stopped on the {what}:\n{}",
+            read()
+        );
+        assert!(seen.is_ok(), "no {what} within {within:?}:\n{}", read());
+    }
+
     /// SIGSTOP: the whole process freezes (heartbeats included), as a stalled node would.
     pub fn pause(&self) {
         self.signal("-STOP");

@@ -584,16 +584,14 @@ async fn an_aborted_exactly_once_transaction_rewinds_its_partition_and_the_worke
     let port = 19490;
     let (topics, mut worker, log) = abort_stage("eos-abort", port).await;
     let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
-    let aborted = wait_until(Duration::from_secs(120), || {
-        read_log().contains("transaction aborted") || !worker.running()
-    })
-    .await;
-    assert!(
-        worker.running(),
-        "the worker stopped on the abort:\n{}",
-        read_log()
-    );
-    assert!(aborted.is_ok(), "no abort within 120 s:\n{}", read_log());
+    worker
+        .wait_for_log(
+            &log,
+            "transaction aborted",
+            "abort",
+            Duration::from_secs(120),
+        )
+        .await;
     set_max_message_bytes(&topics.output, 1_000_000).await;
     topics.wait_fully_committed(Duration::from_secs(120)).await;
     assert!(

@@ -26,7 +26,7 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use sessionflow_tests::{unique, wait_until, ScriptCluster, Topics, WorkerProcess};
-use sessionflow_tools::verify::{self, read_topic, SeqRecord, VerifyOptions};
+use sessionflow_tools::verify::{read_topic, SeqRecord};
 use sessionflow_worker::config::BuiltinHandlerConfig;
 use sessionflow_worker::handler::builtin::BuiltinHandler;
 use sessionflow_worker::record::{header, Lease, Parts, SessionSource};
@@ -513,15 +513,7 @@ fn check_exactly_once(brokers: &str, topics: &Topics, total: u64) {
          records there that are not poison: {not_poison:?}"
     );
 
-    let report = verify::run(&VerifyOptions {
-        kafka: brokers.into(),
-        topic: topics.output.clone(),
-        dlq: Some(topics.dlq.clone()),
-        input: Some(topics.input.clone()),
-        session_header: None,
-        timeout: Duration::from_secs(60),
-    })
-    .expect("verify");
+    let report = sessionflow_tests::verify_on(brokers, topics);
     eprintln!(
         "{total} input records: {} exactly once in the output, {} poison exactly once in the \
          DLQ; verify:\n{report}",
