@@ -46,13 +46,16 @@ pub fn verdicts(outcomes: &[Outcome]) -> Vec<Verdict> {
             fmt_ratio(r),
             r.map(|r| r >= 0.8),
         ));
-        // Issue 13's form of the same target, and its memory bound.
+        // Issue 13's form of the same target, issue 37's raised bound, and issue 13's memory
+        // bound.
         let r = ratio(throughput(o, sf), throughput(o, SystemKind::Sequential));
-        out.push(verdict(
-            "P1 throughput ≥ 0.8 × per-partition sequential",
-            fmt_ratio(r),
-            r.map(|r| r >= 0.8),
-        ));
+        for (bound, issue) in [(0.8, ""), (0.9, " (issue 37)")] {
+            out.push(verdict(
+                format!("P1 throughput ≥ {bound} × per-partition sequential{issue}"),
+                fmt_ratio(r),
+                r.map(|r| r >= bound),
+            ));
+        }
         let (own, sequential) = (peak_rss(o, sf), peak_rss(o, SystemKind::Sequential));
         out.push(verdict(
             "P1 peak RSS ≤ per-partition sequential's",
@@ -70,14 +73,16 @@ pub fn verdicts(outcomes: &[Outcome]) -> Vec<Verdict> {
             throughput(o, SystemKind::Ceiling),
         );
         let r = ratio(throughput(o, sf), ideal);
-        out.push(verdict(
-            format!(
-                "P2 throughput ≥ 0.8 × ideal ({} msg/s)",
-                ideal.map_or("—".into(), fmt_int)
-            ),
-            fmt_ratio(r),
-            r.map(|r| r >= 0.8),
-        ));
+        for (bound, issue) in [(0.8, ""), (0.9, " (issue 37)")] {
+            out.push(verdict(
+                format!(
+                    "P2 throughput ≥ {bound} × ideal ({} msg/s){issue}",
+                    ideal.map_or("—".into(), fmt_int)
+                ),
+                fmt_ratio(r),
+                r.map(|r| r >= bound),
+            ));
+        }
         let r = ratio(throughput(o, sf), throughput(o, SystemKind::Sequential));
         out.push(verdict(
             "P2 throughput ≥ 50 × per-partition sequential",
@@ -153,11 +158,13 @@ pub fn verdicts(outcomes: &[Outcome]) -> Vec<Verdict> {
         let r = mem
             .as_ref()
             .and_then(|m| ratio(Some(m.after_reap_rss as f64), Some(m.baseline_rss as f64)));
-        out.push(verdict(
-            "P5 RSS after idle reap ≤ 1.2 × baseline",
-            fmt_ratio(r),
-            r.map(|r| r <= 1.2),
-        ));
+        for (bound, issue) in [(1.2, ""), (1.1, " (issue 37)")] {
+            out.push(verdict(
+                format!("P5 RSS after idle reap ≤ {bound} × baseline{issue}"),
+                fmt_ratio(r),
+                r.map(|r| r <= bound),
+            ));
+        }
     }
     out
 }
@@ -168,7 +175,7 @@ mod tests {
 
     /// P1 of a full run (`make bench`, 21:58 UTC, 1 December 2026; histograms left out) judged
     /// again, then with sessionflow made faster and leaner than the sequential consumer: issue
-    /// 13's two rows follow the numbers both ways.
+    /// 13's two rows and issue 37's raised bound follow the numbers both ways.
     #[test]
     fn p1_is_judged_against_the_sequential_consumer_in_rate_and_memory() {
         let recorded: serde_json::Value =
@@ -179,25 +186,32 @@ mod tests {
             let met = |name: &str| v.iter().find(|v| v.target.starts_with(name)).unwrap().met;
             (
                 met("P1 throughput ≥ 0.8 × per-partition sequential"),
+                met("P1 throughput ≥ 0.9 × per-partition sequential (issue 37)"),
                 met("P1 peak RSS"),
             )
         };
         // 508,074 against 648,745 msg/s (0.78 ×); 152 against 146 MiB.
-        assert_eq!(judge(&recorded), (Some(false), Some(false)));
-        let mut better = recorded.clone();
-        let sessionflow = better["systems"]
-            .as_array_mut()
-            .unwrap()
-            .iter_mut()
-            .find(|s| s["system"] == "Sessionflow")
-            .unwrap();
-        let run = &mut sessionflow["backlog"]["result"];
-        let first = run["first_us"].as_u64().unwrap();
-        let last = run["last_us"].as_u64().unwrap();
-        // Done in 0.9 × the time: 0.87 × the sequential consumer.
-        run["last_us"] = (first + (last - first) * 9 / 10).into();
-        run["peak_rss"] = (140u64 << 20).into();
-        assert_eq!(judge(&better), (Some(true), Some(true)));
+        assert_eq!(judge(&recorded), (Some(false), Some(false), Some(false)));
+        // sessionflow's drain done in `tenths` of its recorded time, with 140 MiB at peak.
+        let faster = |tenths: u64| {
+            let mut better = recorded.clone();
+            let sessionflow = better["systems"]
+                .as_array_mut()
+                .unwrap()
+                .iter_mut()
+                .find(|s| s["system"] == "Sessionflow")
+                .unwrap();
+            let run = &mut sessionflow["backlog"]["result"];
+            let first = run["first_us"].as_u64().unwrap();
+            let last = run["last_us"].as_u64().unwrap();
+            run["last_us"] = (first + (last - first) * tenths / 10).into();
+            run["peak_rss"] = (140u64 << 20).into();
+            better
+        };
+        // 0.87 × the sequential consumer: issue 13's bound met, issue 37's not.
+        assert_eq!(judge(&faster(9)), (Some(true), Some(false), Some(true)));
+        // 0.98 ×: both.
+        assert_eq!(judge(&faster(8)), (Some(true), Some(true), Some(true)));
     }
 
     #[test]
