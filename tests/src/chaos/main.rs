@@ -246,7 +246,6 @@ fn run(settings: &Settings) -> anyhow::Result<Verdict> {
     let input = InputAudit::read(&brokers, &topics.input, acknowledged)?;
     println!("{input}");
     Ok(Verdict {
-        cluster: settings.cluster,
         delivery: settings.delivery,
         seed,
         seconds: settings.seconds,
