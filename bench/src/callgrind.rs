@@ -141,6 +141,7 @@ pub async fn run(args: WorkloadArgs) -> anyhow::Result<()> {
         sessionflow_kafka: args.sessionflow_kafka.clone(),
         commit_interval_ms: args.system.commit().map_or(1_000, |(ms, _)| ms),
         exactly_once: args.system.commit().is_some_and(|(_, eos)| eos),
+        max_in_flight_per_partition: None,
     };
     let core = Arc::new(Core::new(
         HandlerSpec::default(),

@@ -345,6 +345,8 @@ pub struct Options {
     pub sessionflow_kafka: Vec<(String, String)>,
     /// The commit interval of `sessionflow-eos` and `sessionflow-alo100` instead of their 100 ms.
     pub variant_commit_interval_ms: Option<u64>,
+    /// sessionflow's `maxInFlightPerPartition` (and PC's budget) instead of the default.
+    pub max_in_flight_per_partition: Option<usize>,
     /// Where each child's stderr goes.
     pub log_dir: PathBuf,
     /// The broker's process, when it runs on this machine (its CPU time is read).
@@ -638,6 +640,7 @@ fn spec(
             .or(system.commit().map(|(ms, _)| ms))
             .unwrap_or(1_000),
             exactly_once: system.commit().is_some_and(|(_, eos)| eos),
+            max_in_flight_per_partition: opts.max_in_flight_per_partition,
         },
         // The ceiling does no processing: no simulated I/O, no faults.
         handler: if system == SystemKind::Ceiling {

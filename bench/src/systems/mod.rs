@@ -215,6 +215,10 @@ pub struct SystemSettings {
     /// Consumer's transactional commit mode (`parallel-consumer-tx`).
     #[serde(default)]
     pub exactly_once: bool,
+    /// sessionflow's `maxInFlightPerPartition`, PC's per-partition budget; `None`: the
+    /// worker's default.
+    #[serde(default)]
+    pub max_in_flight_per_partition: Option<usize>,
 }
 
 fn default_commit_interval_ms() -> u64 {

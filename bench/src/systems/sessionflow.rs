@@ -99,7 +99,9 @@ pub fn stage_config(settings: &SystemSettings) -> StageConfig {
         dispatchers: 8,
         dispatcher_capacity: 1_024,
         session_idle_ms: settings.session_idle_ms,
-        max_in_flight_per_partition: 10_000,
+        max_in_flight_per_partition: settings
+            .max_in_flight_per_partition
+            .unwrap_or_else(sessionflow_worker::config::defaults::max_in_flight_per_partition),
         prefetch_kbytes,
         prefetch_records,
         lag_interval_ms: 5_000,
@@ -164,7 +166,22 @@ mod tests {
             sessionflow_kafka: vec![],
             commit_interval_ms,
             exactly_once,
+            max_in_flight_per_partition: None,
         }
+    }
+
+    #[test]
+    fn the_in_flight_budget_is_the_workers_default_unless_the_run_sets_it() {
+        let default = stage_config(&settings(1_000, false));
+        assert_eq!(
+            default.max_in_flight_per_partition,
+            sessionflow_worker::config::defaults::max_in_flight_per_partition()
+        );
+        let set = SystemSettings {
+            max_in_flight_per_partition: Some(125),
+            ..settings(1_000, false)
+        };
+        assert_eq!(stage_config(&set).max_in_flight_per_partition, 125);
     }
 
     #[test]
