@@ -142,6 +142,7 @@ pub async fn run(args: WorkloadArgs) -> anyhow::Result<()> {
         commit_interval_ms: args.system.commit().map_or(1_000, |(ms, _)| ms),
         exactly_once: args.system.commit().is_some_and(|(_, eos)| eos),
         max_in_flight_per_partition: None,
+        pc_max_concurrency: None,
     };
     let core = Arc::new(Core::new(
         HandlerSpec::default(),

@@ -85,10 +85,14 @@ struct Cli {
     partitions: Option<i32>,
     /// sessionflow's `maxInFlightPerPartition` instead of its default (10,000), and with it the
     /// Parallel Consumer's `maxConcurrency` (the same budget: sessions, at most this many per
-    /// partition); the report's definitions still read 10,000. A growth point, and what keeps
-    /// PC's thread count sane at 100,000 sessions and more.
+    /// partition); the report's definitions still read 10,000. A growth point.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     max_in_flight_per_partition: Option<u32>,
+    /// At most this many Parallel Consumer worker threads (its `maxConcurrency`), whatever
+    /// sessionflow's budget: at the sweeps' 100,000 and 1,000,000 sessions that budget is
+    /// 80,000 threads in one JVM. sessionflow is not capped; say so where the numbers go.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pc_max_concurrency: Option<u32>,
     /// Workers of the flat-pool baseline.
     #[arg(long, default_value_t = 64)]
     pool_workers: usize,
@@ -173,6 +177,7 @@ async fn main() -> anyhow::Result<()> {
         sessionflow_kafka: cli.sessionflow_kafka.clone(),
         variant_commit_interval_ms: cli.variant_commit_interval_ms,
         max_in_flight_per_partition: cli.max_in_flight_per_partition.map(|n| n as usize),
+        pc_max_concurrency: cli.pc_max_concurrency.map(|n| n as usize),
         log_dir: cli.log_dir.clone(),
         broker_pid,
     };

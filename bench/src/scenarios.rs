@@ -347,6 +347,8 @@ pub struct Options {
     pub variant_commit_interval_ms: Option<u64>,
     /// sessionflow's `maxInFlightPerPartition` (and PC's budget) instead of the default.
     pub max_in_flight_per_partition: Option<usize>,
+    /// A cap on the Parallel Consumer's worker threads (`--pc-max-concurrency`).
+    pub pc_max_concurrency: Option<usize>,
     /// Where each child's stderr goes.
     pub log_dir: PathBuf,
     /// The broker's process, when it runs on this machine (its CPU time is read).
@@ -641,6 +643,7 @@ fn spec(
             .unwrap_or(1_000),
             exactly_once: system.commit().is_some_and(|(_, eos)| eos),
             max_in_flight_per_partition: opts.max_in_flight_per_partition,
+            pc_max_concurrency: opts.pc_max_concurrency,
         },
         // The ceiling does no processing: no simulated I/O, no faults.
         handler: if system == SystemKind::Ceiling {

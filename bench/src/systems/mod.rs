@@ -219,6 +219,9 @@ pub struct SystemSettings {
     /// worker's default.
     #[serde(default)]
     pub max_in_flight_per_partition: Option<usize>,
+    /// A cap on the Parallel Consumer's worker threads; `None`: sessionflow's budget.
+    #[serde(default)]
+    pub pc_max_concurrency: Option<usize>,
 }
 
 fn default_commit_interval_ms() -> u64 {

@@ -56,16 +56,22 @@ pub fn jar_path() -> PathBuf {
 }
 
 /// PC's `maxConcurrency` for a scenario: sessionflow's budget, one record in the handler per
-/// session and at most `max_in_flight_per_partition` records per partition.
+/// session and at most `max_in_flight_per_partition` records per partition, unless the run caps
+/// PC's threads (`--pc-max-concurrency`: one thread per record in flight, so sessionflow's
+/// budget at 100,000 sessions would be 80,000 threads in one JVM).
 pub fn max_concurrency(
     sessions: usize,
     partitions: i32,
     max_in_flight_per_partition: usize,
+    cap: Option<usize>,
 ) -> usize {
     let per_partitions = usize::try_from(partitions.max(1))
         .unwrap_or(1)
         .saturating_mul(max_in_flight_per_partition);
-    sessions.min(per_partitions).max(1)
+    sessions
+        .min(per_partitions)
+        .min(cap.unwrap_or(usize::MAX))
+        .max(1)
 }
 
 /// Builds the jar unless it is newer than the pom and the Java sources.
@@ -148,7 +154,12 @@ fn relay(line: &str, core: &Core) {
 pub async fn start(settings: &SystemSettings, core: Arc<Core>) -> anyhow::Result<Running> {
     let jar = tokio::task::spawn_blocking(ensure_jar).await??;
     let in_flight = super::sessionflow::stage_config(settings).max_in_flight_per_partition;
-    let concurrency = max_concurrency(core.sessions(), settings.partitions, in_flight);
+    let concurrency = max_concurrency(
+        core.sessions(),
+        settings.partitions,
+        in_flight,
+        settings.pc_max_concurrency,
+    );
     let spec = core.spec().clone();
     let args: Vec<String> = [
         ("brokers", settings.brokers.clone()),
@@ -294,8 +305,17 @@ mod tests {
 
     #[test]
     fn concurrency_is_sessionflows_budget() {
-        assert_eq!(max_concurrency(1_000, 8, 10_000), 1_000);
-        assert_eq!(max_concurrency(10, 8, 10_000), 10);
-        assert_eq!(max_concurrency(1_000_000, 8, 10_000), 80_000);
+        assert_eq!(max_concurrency(1_000, 8, 10_000, None), 1_000);
+        assert_eq!(max_concurrency(10, 8, 10_000, None), 10);
+        assert_eq!(max_concurrency(1_000_000, 8, 10_000, None), 80_000);
+        assert_eq!(max_concurrency(1_000, 1, 125, None), 125);
+    }
+
+    #[test]
+    fn a_cap_bounds_only_what_is_above_it() {
+        assert_eq!(max_concurrency(1_000_000, 8, 10_000, Some(1_000)), 1_000);
+        assert_eq!(max_concurrency(100_000, 8, 10_000, Some(1_000)), 1_000);
+        assert_eq!(max_concurrency(10, 8, 10_000, Some(1_000)), 10);
+        assert_eq!(max_concurrency(1_000, 8, 10_000, Some(1_000)), 1_000);
     }
 }

@@ -167,6 +167,7 @@ mod tests {
             commit_interval_ms,
             exactly_once,
             max_in_flight_per_partition: None,
+            pc_max_concurrency: None,
         }
     }
 
