@@ -230,6 +230,7 @@ impl IntakeLoop {
         let mut last_health = Instant::now();
         let mut last_prefetch_read = Instant::now();
         let mut last_fenced_check = Instant::now();
+        let mut last_answer = Instant::now();
         while !self.stopping() {
             self.ctx().health.beat();
             self.ctx().judge_membership();
@@ -266,20 +267,29 @@ impl IntakeLoop {
                     took |= self.drain_main_queue();
                 }
             }
+            // A commit's answer first, then what it and the completions changed (parked
+            // records handed on, held partitions let go), then the take: a partition the answer
+            // gave room takes in the same turn, which the early commit's gather counts on.
+            if self.take_commit_answers() {
+                last_answer = Instant::now();
+            }
+            let (holding, released) = self.relieve_pressure();
             took |= self.take_from_partitions(&queues);
             self.ctx().book().apply_ready(&self.ctx().metrics);
-            let (holding, released) = self.relieve_pressure();
-            self.take_commit_answers();
             // Every interval, and early when a partition's replay span reaches half its cap
             // (the cap counts from the last confirmed commit, so commits must keep up;
-            // three quarters in exactlyOnce, see `Book::commit_urgent`).
+            // three quarters in exactlyOnce, see `Book::commit_urgent`) once the records
+            // taken since the last answer are done, or a short while after it
+            // (`Book::early_commit_gathered`).
             let interval = last_commit.elapsed() >= self.ctx().settings.commit_interval;
-            if interval
-                || self.ctx().book().commit_urgent(
-                    self.ctx().settings.max_in_flight_per_partition,
-                    self.producer.transactions().is_some(),
-                )
-            {
+            if interval || {
+                let book = self.ctx().book();
+                book.early_commit_gathered(last_answer.elapsed())
+                    && book.commit_urgent(
+                        self.ctx().settings.max_in_flight_per_partition,
+                        self.producer.transactions().is_some(),
+                    )
+            } {
                 self.commit_in_background(interval);
             }
             if interval {
@@ -614,14 +624,17 @@ impl IntakeLoop {
         }
     }
 
-    /// Takes the commit thread's answer, if one has arrived, into the tracker.
-    fn take_commit_answers(&self) {
+    /// Takes the commit thread's answer, if one has arrived, into the tracker. True when one
+    /// had.
+    fn take_commit_answers(&self) -> bool {
         let answer = self.committer.borrow_mut().answer();
-        if let Some(a) = answer {
-            let ctx = self.ctx();
-            ctx.book()
-                .commit_answered(&a.result, &a.offsets, &ctx.metrics);
-        }
+        let Some(a) = answer else {
+            return false;
+        };
+        let ctx = self.ctx();
+        ctx.book()
+            .commit_answered(&a.result, &a.offsets, &ctx.metrics);
+        true
     }
 
     /// Blocks (with retries) until the input topic exists. False when stopped meanwhile.

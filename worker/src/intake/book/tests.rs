@@ -439,6 +439,47 @@ fn a_commit_is_urgent_once_the_replay_span_reaches_half_the_cap() {
     assert!(!book.commit_urgent(cap, false));
 }
 
+/// Two partitions at a small cap, one commit outstanding at a time: the answer that gives
+/// partition 0 its room back must not be followed at once by a commit that carries only
+/// partition 1's progress, or the two take turns in alternate commits for the whole drain.
+#[test]
+fn an_early_commit_after_an_answer_waits_for_the_records_the_answer_let_in() {
+    let (mut book, _tx, metrics) = book();
+    let cap = 8;
+    for p in 0..2 {
+        book.assign(p, None);
+        take(&mut book, p, 0..8);
+        complete(&mut book, p, 0..8);
+    }
+    let tpl = book.commit_list(None, false);
+    book.commit_answered(&Ok(()), &tpl, &metrics);
+    // The answer's turn: both partitions take their next cap's worth; partition 1's handler
+    // is done at once, partition 0's records are still running.
+    for p in 0..2 {
+        take(&mut book, p, 8..16);
+    }
+    complete(&mut book, 1, 8..16);
+    assert!(
+        book.commit_urgent(cap, false),
+        "partition 1 has 8 to commit"
+    );
+    assert!(
+        !book.early_commit_gathered(Duration::ZERO),
+        "partition 0's records, let in by the answer, are still running"
+    );
+    complete(&mut book, 0, 8..16);
+    assert!(book.early_commit_gathered(Duration::ZERO), "all done");
+    let carried: Vec<_> = listed(&book.commit_list(None, false))
+        .into_iter()
+        .map(|(p, o, _)| (p, o))
+        .collect();
+    assert_eq!(carried, [(0, 16), (1, 16)], "one commit carries both");
+    // A slow handler is waited for no longer than the gather.
+    take(&mut book, 0, 16..17);
+    assert!(!book.early_commit_gathered(Duration::ZERO));
+    assert!(book.early_commit_gathered(EARLY_COMMIT_GATHER));
+}
+
 #[test]
 fn in_exactly_once_a_commit_is_urgent_only_from_three_quarters_of_the_cap() {
     let (mut book, _tx, metrics) = book();
