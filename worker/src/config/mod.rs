@@ -58,7 +58,11 @@ pub struct StageConfig {
     pub session_idle_ms: u64,
     /// Records of one partition between the committed watermark and the newest record taken
     /// in (unfinished ones and finished ones above an unfinished one); beyond it the partition
-    /// is held (takes no records). It bounds memory and what a crash can replay.
+    /// is held (takes no records). It bounds memory and what a crash can replay. The span counts
+    /// from the last commit the broker confirmed, so a partition advances at most this many
+    /// records per offset-commit round trip (~6 ms on Apache Kafka 4.1 with its default
+    /// `group.coordinator.append.linger.ms` of 5 ms): keep it well above that round trip times
+    /// the partition's rate (125 held a no-op stage to ~76,000 msg/s over 8 partitions).
     #[serde(default = "defaults::max_in_flight_per_partition")]
     pub max_in_flight_per_partition: usize,
     /// KiB of records librdkafka may fetch ahead for this worker, in total over its assigned
