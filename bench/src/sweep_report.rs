@@ -190,7 +190,8 @@ pub fn section(env: &Environment, sweeps: &Sweeps) -> String {
          sessions, no-op handler) and on P2's (1,000 round-robin sessions, 5 ms simulated \
          I/O), measured in this run; then the same records are offered at 25, 50, 80 and 95 % \
          of it in paced runs of 10 s each (scaled), the system running and fetching before \
-         the load starts. *produced* is the rate the harness's producer achieved (it shares \
+         the load starts. With `--systems …,parallel-consumer` the Parallel Consumer gets the \
+         same, at fractions of its own capacity (one backlog round, not five). *produced* is the rate the harness's producer achieved (it shares \
          the 2 cores, and tops out near its backlog rate, so at high fractions it may not reach the \
          rate asked: the chart's x is the load it achieved); *handled* the rate the system \
          completed. A run that could not keep up \

@@ -189,6 +189,27 @@ pub fn capacity_scenario(base: &Scenario) -> Scenario {
     }
 }
 
+/// The capacity runs of `base`: sessionflow's, and the Parallel Consumer's when `--systems`
+/// asks for it, so that its latency is measured at fractions of its own capacity on the same
+/// axes. PC's is one round, not `base`'s five: it drains P1's backlog at ~1 % of sessionflow's
+/// rate, and five rounds would hit the 120 s cap five times.
+pub fn capacity_scenarios(base: &Scenario, only: &[SystemKind]) -> Vec<Scenario> {
+    let mut runs = vec![capacity_scenario(base)];
+    if only.contains(&SystemKind::ParallelConsumer) {
+        let sessionflow = capacity_scenario(base);
+        runs.push(Scenario {
+            systems: vec![SystemKind::ParallelConsumer],
+            point: Some(format!("{:?}-capacity-pc", base.id).to_lowercase()),
+            backlog: sessionflow.backlog.as_ref().map(|b| Backlog {
+                rounds: 1,
+                ..b.clone()
+            }),
+            ..sessionflow
+        });
+    }
+    runs
+}
+
 /// `base`'s records offered by `system` at `fraction` of `capacity`, for `LOAD_SECS` (scaled).
 pub fn load_scenario(
     base: &Scenario,
@@ -307,8 +328,13 @@ pub async fn run(opts: &Options, scale: f64, selection: &Selection<'_>) -> Sweep
             out.backlog.push(BacklogPoint { shape, outcome });
         }
     }
-    for base in load_bases(scale) {
-        let Some(sc) = selection.apply(capacity_scenario(&base)) else {
+    let capacity_runs = load_bases(scale).into_iter().flat_map(|base| {
+        capacity_scenarios(&base, selection.only)
+            .into_iter()
+            .map(move |sc| (base.clone(), sc))
+    });
+    for (base, sc) in capacity_runs {
+        let Some(sc) = selection.apply(sc) else {
             continue;
         };
         let Some(capacity_run) = run_one(opts, &sc, &mut out.failures).await else {
@@ -379,6 +405,48 @@ mod tests {
         // --scale shrinks every point (never below 1,000 records).
         assert_eq!(backlog_records(&MIDDLE, 0.02), 20_000);
         assert_eq!(backlog_records(&big, 0.001), 1_000);
+    }
+
+    #[test]
+    fn the_parallel_consumer_gets_a_capacity_run_of_its_own_only_when_asked() {
+        let p1 = load_bases(1.0).remove(0);
+        assert_eq!(p1.id, ScenarioId::P1);
+        let alone = capacity_scenarios(&p1, &[]);
+        assert_eq!(alone.len(), 1);
+        assert_eq!(alone[0].systems, vec![SystemKind::Sessionflow]);
+        let both = capacity_scenarios(
+            &p1,
+            &[SystemKind::Sessionflow, SystemKind::ParallelConsumer],
+        );
+        assert_eq!(both.len(), 2);
+        let pc = &both[1];
+        assert_eq!(pc.systems, vec![SystemKind::ParallelConsumer]);
+        assert_eq!(pc.backlog.as_ref().unwrap().rounds, 1);
+        assert_ne!(pc.slug(), both[0].slug());
+        // Its records are P1's, as sessionflow's are; sessionflow keeps P1's rounds.
+        let records = |s: &Scenario| s.backlog.as_ref().unwrap().records;
+        assert_eq!(records(pc), records(&both[0]));
+        assert_eq!(
+            both[0].backlog.as_ref().unwrap().rounds,
+            p1.backlog.as_ref().unwrap().rounds
+        );
+        // The selection runs each on its own: PC is not added to sessionflow's run.
+        let selection = Selection {
+            only: &[SystemKind::Sessionflow, SystemKind::ParallelConsumer],
+            with_output: false,
+        };
+        let systems: Vec<_> = both
+            .into_iter()
+            .filter_map(|sc| selection.apply(sc))
+            .map(|sc| sc.systems)
+            .collect();
+        assert_eq!(
+            systems,
+            vec![
+                vec![SystemKind::Sessionflow],
+                vec![SystemKind::ParallelConsumer]
+            ]
+        );
     }
 
     #[test]
