@@ -187,6 +187,22 @@ fn partition_count(consumer: &BaseConsumer, topic: &str) -> i32 {
     md.topics()[0].partitions().len() as i32
 }
 
+/// A producer of transactional id `id` on the test broker, its transactions initialised (which
+/// fences an older producer of the id). Its transaction timeout is long (120 s, the worker's),
+/// so an open transaction that ends within a test was ended by a fence, not by the broker.
+pub fn transactional_producer(id: &str) -> rdkafka::producer::BaseProducer {
+    use rdkafka::producer::Producer;
+    let p: rdkafka::producer::BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("transactional.id", id)
+        .set("transaction.timeout.ms", "120000")
+        .create()
+        .expect("transactional producer");
+    p.init_transactions(Duration::from_secs(30))
+        .expect("init_transactions");
+    p
+}
+
 /// High watermarks of every partition of `topic`.
 pub fn end_offsets(topic: &str) -> Vec<i64> {
     end_offsets_on(&brokers(), topic)

@@ -14,24 +14,13 @@ use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use rdkafka::{Message, Offset, TopicPartitionList};
-use sessionflow_tests::{brokers, verify_pipeline, wait_until, Topics, WorkerProcess};
+use sessionflow_tests::{
+    brokers, transactional_producer, verify_pipeline, wait_until, Topics, WorkerProcess,
+};
 use sessionflow_worker::commit::exactly_once::transactional_id;
 use sessionflow_worker::commit::offset_map;
 
 const T: Duration = Duration::from_secs(30);
-
-fn transactional(id: &str) -> BaseProducer {
-    let p: BaseProducer = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
-        .set("transactional.id", id)
-        // Long, so that an open transaction that ends within this test was ended by a fence,
-        // not by the broker's timeout.
-        .set("transaction.timeout.ms", "120000")
-        .create()
-        .expect("transactional producer");
-    p.init_transactions(T).expect("init_transactions");
-    p
-}
 
 fn send(p: &BaseProducer, topic: &str, value: &str) {
     p.send(BaseRecord::to(topic).key("s1").payload(value))
@@ -103,7 +92,7 @@ async fn the_next_owners_transactional_id_fences_the_old_owner_and_the_map_rides
     // The first owner: offsets 2 and 4 unfinished, 3 and 5 done.
     let map = offset_map::encode(2, 6, 0, [2, 4]).expect("map");
     assert!(!map.is_empty());
-    let old = transactional(&id);
+    let old = transactional_producer(&id);
     old.begin_transaction().unwrap();
     send(&old, &topics.output, "old-committed");
     old.send_offsets_to_transaction(&offsets(&topics.input, 2, &map), &group, T)
@@ -123,7 +112,7 @@ async fn the_next_owners_transactional_id_fences_the_old_owner_and_the_map_rides
     send(&old, &topics.output, "old-open");
 
     // The partition's next owner: same id. Its init aborts the old open transaction.
-    let new = transactional(&id);
+    let new = transactional_producer(&id);
     new.begin_transaction().unwrap();
     send(&new, &topics.output, "new-committed");
     new.send_offsets_to_transaction(&offsets(&topics.input, 6, ""), &group, T)

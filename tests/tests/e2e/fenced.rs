@@ -12,9 +12,10 @@
 
 use std::time::Duration;
 
-use rdkafka::config::ClientConfig;
-use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
-use sessionflow_tests::{brokers, end_offsets, verify_pipeline, wait_until, Topics, WorkerProcess};
+use rdkafka::producer::{BaseRecord, Producer};
+use sessionflow_tests::{
+    end_offsets, transactional_producer, verify_pipeline, wait_until, Topics, WorkerProcess,
+};
 use sessionflow_worker::commit::exactly_once::transactional_id;
 
 const T: Duration = Duration::from_secs(30);
@@ -22,20 +23,6 @@ const T: Duration = Duration::from_secs(30);
 const PORT: u16 = 19492;
 /// The input partition whose transactional id the zombie takes.
 const FENCED: i32 = 1;
-
-/// A transactional producer with `id`, its `init_transactions` done: it fences every other
-/// producer with that id, and aborts what one left open.
-fn zombie(id: &str) -> BaseProducer {
-    let p: BaseProducer = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
-        .set("transactional.id", id)
-        // Long, so that its open transaction is ended by a fence, not by the broker's timeout.
-        .set("transaction.timeout.ms", "120000")
-        .create()
-        .expect("transactional producer");
-    p.init_transactions(T).expect("init_transactions");
-    p
-}
 
 /// The sum of the worker's series `name` (`sessionflow_` left out) with all of `labels`
 /// (e.g. `reason="write"`), 0 if none.
@@ -89,7 +76,7 @@ async fn a_fenced_partition_producer_gives_up_only_its_partition_and_reopens_it_
     );
 
     // The zombie: partition 1's transactional id, a transaction left open with a write in it.
-    let zombie = zombie(&transactional_id(&topics.group, &topics.input, FENCED));
+    let zombie = transactional_producer(&transactional_id(&topics.group, &topics.input, FENCED));
     zombie.begin_transaction().expect("begin");
     zombie
         .send(
