@@ -213,7 +213,7 @@ impl IntakeContext {
         book: &mut Book,
         transactions: &Transactions<ProducerEvents>,
     ) {
-        if self.fatal.is_cancelled() || !self.producer.gate().is_open() {
+        if !self.may_touch_transactions() {
             return;
         }
         if !transactions.any_doomed() && !transactions.any_fenced() {
@@ -430,7 +430,7 @@ impl IntakeContext {
         book: &mut Book,
         transactions: &Transactions<ProducerEvents>,
     ) {
-        if self.fatal.is_cancelled() || !self.producer.gate().is_open() {
+        if !self.may_touch_transactions() {
             return;
         }
         let grace = self.settings.session_timeout;
@@ -484,6 +484,13 @@ impl IntakeContext {
                 return;
             }
         }
+    }
+
+    /// Whether the loop may abort, rewind or reopen partitions now: not after a fatal error,
+    /// and not while the membership fence is closed (the group's committed offsets cannot be
+    /// read then, and a write may not go).
+    fn may_touch_transactions(&self) -> bool {
+        !self.fatal.is_cancelled() && self.producer.gate().is_open()
     }
 
     /// The write barrier, exclusively, or `None` (and the worker stops: the restart replays
