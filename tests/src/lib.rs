@@ -764,7 +764,13 @@ pub fn committed_offsets_on(brokers: &str, group: &str, topic: &str) -> Vec<i64>
             Err(e) => panic!("committed offsets of {group}: {e}"),
         }
     };
-    got.elements()
+    offsets_or_unset(&got)
+}
+
+/// The offsets of `tpl` in its order (a committed-offsets answer), -1 where a partition has
+/// none (nothing committed).
+pub fn offsets_or_unset(tpl: &TopicPartitionList) -> Vec<i64> {
+    tpl.elements()
         .iter()
         .map(|e| match e.offset() {
             Offset::Offset(o) => o,

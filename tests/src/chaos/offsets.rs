@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::{Offset, TopicPartitionList};
+use rdkafka::TopicPartitionList;
 
 const ANSWER: Duration = Duration::from_secs(10);
 
@@ -71,16 +71,10 @@ impl GroupLag {
             tpl.add_partition(&self.topic, p);
             end.push(self.consumer.fetch_watermarks(&self.topic, p, ANSWER)?.1);
         }
-        let committed = self
-            .consumer
-            .committed_offsets(tpl, ANSWER)?
-            .elements()
-            .iter()
-            .map(|e| match e.offset() {
-                Offset::Offset(o) => o,
-                _ => -1,
-            })
-            .collect();
-        Ok(Lag { committed, end })
+        let committed = self.consumer.committed_offsets(tpl, ANSWER)?;
+        Ok(Lag {
+            committed: sessionflow_tests::offsets_or_unset(&committed),
+            end,
+        })
     }
 }

@@ -24,7 +24,7 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use rdkafka::{ClientConfig, TopicPartitionList};
 use sessionflow_tests::{unique, wait_until, ScriptCluster, Topics, WorkerProcess};
 use sessionflow_tools::verify::{read_topic, SeqRecord};
 use sessionflow_worker::config::BuiltinHandlerConfig;
@@ -182,15 +182,7 @@ impl Run<'_> {
             end.push(c.fetch_watermarks(topic, p, Duration::from_secs(5)).ok()?.1);
         }
         let committed = c.committed_offsets(tpl, Duration::from_secs(5)).ok()?;
-        let committed = committed
-            .elements()
-            .iter()
-            .map(|e| match e.offset() {
-                Offset::Offset(o) => o,
-                _ => -1,
-            })
-            .collect();
-        Some((committed, end))
+        Some((sessionflow_tests::offsets_or_unset(&committed), end))
     }
 
     /// The sum of the group's committed input offsets, when it can be read.
