@@ -18,14 +18,15 @@
 //! at R sends — to measure the head sampler (`OTEL_TRACES_SAMPLER`, with
 //! `OTEL_EXPORTER_OTLP_ENDPOINT` for export; `bench/callgrind.sh` passes the environment on).
 
-use std::sync::Arc;
+use std::ffi::CStr;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use clap::Args;
 use rdkafka::mocking::MockCluster;
 use sessionflow_tools::loadgen::SessionChoice;
 
-use crate::handler::{Core, HandlerSpec};
+use crate::handler::{Core, HandlerSpec, Milestone};
 use crate::systems::{self, SystemKind, SystemSettings};
 use crate::workload::{Load, Producer};
 
@@ -151,23 +152,43 @@ pub async fn run(args: WorkloadArgs) -> anyhow::Result<()> {
     ));
     let handled = || core.counts().handled;
     let started = Instant::now();
+    // The window is bracketed by the calls that finish its first and last records, on their
+    // own threads (`Core::on_handled`): exactly the records between them are in the dump.
+    let from = (args.records / 10).max(1);
+    let zeroed = Arc::new(OnceLock::new());
+    let dumped = Arc::new(OnceLock::new());
+    let reason: &'static CStr = c"drained";
+    let at = |count: u64, request: usize, arg: usize, when: &Arc<OnceLock<Instant>>| {
+        let when = when.clone();
+        Milestone {
+            at: count,
+            action: Box::new(move || {
+                client_request(request, arg, 0);
+                let _ = when.set(Instant::now());
+            }),
+        }
+    };
+    core.on_handled(vec![
+        at(from, ZERO_STATS, 0, &zeroed),
+        at(
+            args.records,
+            DUMP_STATS_AT,
+            reason.as_ptr() as usize,
+            &dumped,
+        ),
+    ]);
     let running = systems::start(args.system, &settings, core.clone()).await?;
     if args.spans {
         sessionflow_worker::ops::telemetry::set_every_record_span(true);
     }
-    let from = (args.records / 10).max(1);
-    wait_for(|| handled() >= from).await;
-    client_request(ZERO_STATS, 0, 0);
-    let first = handled();
-    let zeroed = Instant::now();
     wait_for(|| handled() >= args.records).await;
-    let reason = c"drained";
-    client_request(DUMP_STATS_AT, reason.as_ptr() as usize, 0);
-    let last = handled();
-    let elapsed = zeroed.elapsed();
     running.stop().await;
     let counts = core.counts();
-    let measured = last - first;
+    let measured = args.records - from;
+    let elapsed = match (zeroed.get(), dumped.get()) {
+        (Some(z), Some(d)) => d.duration_since(*z),
+        _ => anyhow::bail!("the measured window was not bracketed"),
+    };
     println!("system: {}", args.system.label());
     println!("records measured: {measured}");
     println!(

@@ -11,6 +11,7 @@
 //! every attempt during a wall-clock window that starts when the load starts.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use rand::Rng;
@@ -63,6 +64,14 @@ pub struct Core {
     warm: Vec<AtomicBool>,
     /// When the load started (µs since the epoch); 0 until the parent says.
     load_started_us: AtomicU64,
+    /// Run by the call that finishes the given record (see [`Core::on_handled`]).
+    milestones: OnceLock<Vec<Milestone>>,
+}
+
+/// An action for the call that finishes the `at`th record.
+pub struct Milestone {
+    pub at: u64,
+    pub action: Box<dyn Fn() + Send + Sync>,
 }
 
 /// A status line of a system measured in another process: its counters (absolute) and what its
@@ -104,7 +113,17 @@ impl Core {
             last_us: AtomicU64::new(0),
             warm: (0..partitions).map(|_| AtomicBool::new(false)).collect(),
             load_started_us: AtomicU64::new(0),
+            milestones: OnceLock::new(),
         }
+    }
+
+    /// Each milestone's action runs in the call that finishes its record, on that call's
+    /// thread, right after the count: the callgrind workload brackets its measured window so.
+    /// A count read by another thread is late under valgrind, which runs one thread at a time
+    /// and may let a consumer's thread handle thousands of records before the reader runs.
+    /// Set once; later calls are ignored.
+    pub fn on_handled(&self, milestones: Vec<Milestone>) {
+        let _ = self.milestones.set(milestones);
     }
 
     pub fn spec(&self) -> &HandlerSpec {
@@ -222,7 +241,12 @@ impl Core {
             self.healthy_handled.fetch_add(1, Ordering::AcqRel);
         }
         self.last_us.fetch_max(done, Ordering::AcqRel);
-        self.handled.fetch_add(1, Ordering::AcqRel);
+        let handled = self.handled.fetch_add(1, Ordering::AcqRel) + 1;
+        if let Some(milestones) = self.milestones.get() {
+            for m in milestones.iter().filter(|m| m.at == handled) {
+                (m.action)();
+            }
+        }
     }
 
     fn fails(&self, v: RecordView, attempt: u32) -> bool {
@@ -306,6 +330,32 @@ mod tests {
             c.attempts
         );
         assert_eq!(core.all.snapshot().count(), 100);
+    }
+
+    #[tokio::test]
+    async fn a_milestone_runs_in_the_call_that_finishes_its_record_and_sees_that_count() {
+        let core = std::sync::Arc::new(Core::new(HandlerSpec::default(), 1, 1));
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let milestone = |at: u64| Milestone {
+            at,
+            action: Box::new({
+                let (core, seen) = (std::sync::Arc::downgrade(&core), seen.clone());
+                move || {
+                    let handled = core.upgrade().map(|c| c.counts().handled);
+                    seen.lock().unwrap().push((at, handled));
+                }
+            }),
+        };
+        core.on_handled(vec![milestone(3), milestone(5)]);
+        let retry = RetryPolicy::default();
+        for seq in 1..=6 {
+            core.call_until_done(view(0, seq), 0, &retry).await;
+        }
+        assert_eq!(
+            *seen.lock().unwrap(),
+            [(3, Some(3)), (5, Some(5))],
+            "each once, at its own count"
+        );
     }
 
     #[tokio::test]
