@@ -170,12 +170,14 @@ bench-eos:
 
 ## callgrind: instructions per record of a fixed in-process workload (librdkafka's mock
 ## cluster, 50,000 records, 1,000 Zipf sessions, 8 partitions, no-op handler) under valgrind's
-## callgrind, for sessionflow and the raw consumer; independent of the machine's load.
-## Breakdowns in target/callgrind/. Needs valgrind; ~2 minutes
+## callgrind, for sessionflow, the raw consumer and the per-partition sequential consumer (issue
+## 37 compares sessionflow with it); independent of the machine's load.
+## Breakdowns in target/callgrind/. Needs valgrind; ~3 minutes
 callgrind:
 	$(CARGO) build --release -p sessionflow-bench
 	bench/callgrind.sh ceiling
 	bench/callgrind.sh sessionflow
+	bench/callgrind.sh sequential
 
 .PHONY: chaos
 
