@@ -194,20 +194,20 @@ pub fn capacity_scenario(base: &Scenario) -> Scenario {
 /// axes. PC's is one round, not `base`'s five: it drains P1's backlog at ~1 % of sessionflow's
 /// rate, and five rounds would hit the 120 s cap five times.
 pub fn capacity_scenarios(base: &Scenario, only: &[SystemKind]) -> Vec<Scenario> {
-    let mut runs = vec![capacity_scenario(base)];
-    if only.contains(&SystemKind::ParallelConsumer) {
-        let sessionflow = capacity_scenario(base);
-        runs.push(Scenario {
-            systems: vec![SystemKind::ParallelConsumer],
-            point: Some(format!("{:?}-capacity-pc", base.id).to_lowercase()),
-            backlog: sessionflow.backlog.as_ref().map(|b| Backlog {
-                rounds: 1,
-                ..b.clone()
-            }),
-            ..sessionflow
-        });
+    let sessionflow = capacity_scenario(base);
+    if !only.contains(&SystemKind::ParallelConsumer) {
+        return vec![sessionflow];
     }
-    runs
+    let pc = Scenario {
+        systems: vec![SystemKind::ParallelConsumer],
+        point: Some(format!("{:?}-capacity-pc", base.id).to_lowercase()),
+        backlog: sessionflow.backlog.as_ref().map(|b| Backlog {
+            rounds: 1,
+            ..b.clone()
+        }),
+        ..sessionflow.clone()
+    };
+    vec![sessionflow, pc]
 }
 
 /// `base`'s records offered by `system` at `fraction` of `capacity`, for `LOAD_SECS` (scaled).
