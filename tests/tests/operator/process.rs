@@ -64,7 +64,9 @@ async fn the_operator_process_reconciles_and_reports_in_conditions() {
     );
     let addr = format!("127.0.0.1:{port}").parse().unwrap();
     let mut ready = false;
-    for _ in 0..150 {
+    // Up to 120 s, as the cluster tests wait: on a loaded 2-core machine (after a 3-node Kafka
+    // test) the operator's start and first sync once took longer than 30 s.
+    for _ in 0..600 {
         // http_get panics on a refused connection: wait for the port first.
         if std::net::TcpStream::connect(addr).is_ok() && http_get(addr, "/readyz").await.0 == 200 {
             ready = true;
