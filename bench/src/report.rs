@@ -275,35 +275,44 @@ fn scenario_table(o: &Outcome, md: &mut String) {
         md.push('\n');
     }
     if sc.memory {
-        if let Some(m) = o
-            .system(SystemKind::Sessionflow)
-            .and_then(|s| s.paced.as_ref())
-        {
-            if let Some(mem) = &m.result.memory {
-                let _ = writeln!(
-                    md,
-                    "| RSS at rest before | peak RSS | RSS after idle reap | after reap ÷ before | \
-                     peak live sessions | reap took | diagnostic: heap still allocated after \
-                     the reap | diagnostic: allocator metadata, at rest → after the reap |\n\
-                     |---:|---:|---:|---:|---:|---:|---:|---:|\n\
-                     | {} MiB | {} MiB | {} MiB | {} | {} | {:.1} s | {} | {} |\n",
-                    mib(mem.baseline_rss),
-                    mib(mem.peak_rss),
-                    mib(mem.after_reap_rss),
-                    fmt_ratio(ratio(
-                        Some(mem.after_reap_rss as f64),
-                        Some(mem.baseline_rss as f64)
-                    )),
-                    fmt_int(mem.peak_sessions as f64),
-                    mem.reap_secs,
-                    mem.live_heap.map_or("—".to_string(), mib_tenths),
-                    match (mem.baseline_metadata, mem.after_reap_metadata) {
-                        (Some(rest), Some(after)) =>
-                            format!("{:.1} → {}", rest as f64 / 1048576.0, mib_tenths(after)),
-                        _ => "—".to_string(),
-                    },
-                );
-            }
+        // Every system that probed its memory (sessionflow, and its exactlyOnce variant when run).
+        let probed: Vec<_> = o
+            .systems
+            .iter()
+            .filter_map(|s| Some((s.system, s.paced.as_ref()?.result.memory.as_ref()?)))
+            .collect();
+        if !probed.is_empty() {
+            md.push_str(
+                "| system | RSS at rest before | peak RSS | RSS after idle reap | after reap ÷ before \
+                 | peak live sessions | reap took | diagnostic: heap still allocated after the \
+                 reap | diagnostic: allocator metadata, at rest → after the reap |\n\
+                 |---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+            );
+        }
+        for (system, mem) in &probed {
+            let _ = writeln!(
+                md,
+                "| {} | {} MiB | {} MiB | {} MiB | {} | {} | {:.1} s | {} | {} |",
+                system.label(),
+                mib(mem.baseline_rss),
+                mib(mem.peak_rss),
+                mib(mem.after_reap_rss),
+                fmt_ratio(ratio(
+                    Some(mem.after_reap_rss as f64),
+                    Some(mem.baseline_rss as f64)
+                )),
+                fmt_int(mem.peak_sessions as f64),
+                mem.reap_secs,
+                mem.live_heap.map_or("—".to_string(), mib_tenths),
+                match (mem.baseline_metadata, mem.after_reap_metadata) {
+                    (Some(rest), Some(after)) =>
+                        format!("{:.1} → {}", rest as f64 / 1048576.0, mib_tenths(after)),
+                    _ => "—".to_string(),
+                },
+            );
+        }
+        if !probed.is_empty() {
+            md.push('\n');
         }
     }
     if let Some(rate) = o.io_ceiling {
@@ -627,6 +636,23 @@ mod tests {
         assert_eq!(fmt_ratio(Some(0.0027)), "0.00270×");
         assert_eq!(fmt_ratio(Some(0.013)), "0.0130×");
         assert_eq!(fmt_ratio(None), "—");
+    }
+
+    /// P5's memory table has a row for every system that probed its memory: a run of the
+    /// exactlyOnce variant alone (testdata: stop 44's `--only p3,p4,p5 --systems
+    /// sessionflow-eos,parallel-consumer-tx`) printed none while it was kept for `sessionflow`.
+    #[test]
+    fn the_memory_table_has_a_row_for_every_system_that_probed_it() {
+        let outcome: Outcome =
+            serde_json::from_str(include_str!("testdata/p5-eos-outcome.json")).unwrap();
+        let mut md = String::new();
+        scenario_table(&outcome, &mut md);
+        assert!(
+            md.contains(
+                "| sessionflow (exactlyOnce, 100 ms) | 31 MiB | 358 MiB | 37 MiB | 1.19× |"
+            ),
+            "{md}"
+        );
     }
 
     /// A run of exactlyOnce and PC's transactional mode alone (no plain sessionflow, so no
