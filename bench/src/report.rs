@@ -284,8 +284,8 @@ fn scenario_table(o: &Outcome, md: &mut String) {
         if !probed.is_empty() {
             md.push_str(
                 "| system | RSS at rest before | peak RSS | RSS after idle reap | after reap ÷ before \
-                 | peak live sessions | reap took | diagnostic: heap still allocated after the \
-                 reap | diagnostic: allocator metadata, at rest → after the reap |\n\
+                 | peak live sessions | reap took | diagnostic: heap allocated, at rest → after \
+                 the reap | diagnostic: allocator metadata, at rest → after the reap |\n\
                  |---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
             );
         }
@@ -303,7 +303,12 @@ fn scenario_table(o: &Outcome, md: &mut String) {
                 )),
                 fmt_int(mem.peak_sessions as f64),
                 mem.reap_secs,
-                mem.live_heap.map_or("—".to_string(), mib_tenths),
+                match (mem.baseline_heap, mem.live_heap) {
+                    (Some(rest), Some(after)) =>
+                        format!("{:.1} → {}", rest as f64 / 1048576.0, mib_tenths(after)),
+                    (None, Some(after)) => mib_tenths(after),
+                    _ => "—".to_string(),
+                },
                 match (mem.baseline_metadata, mem.after_reap_metadata) {
                     (Some(rest), Some(after)) =>
                         format!("{:.1} → {}", rest as f64 / 1048576.0, mib_tenths(after)),

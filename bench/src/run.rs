@@ -85,6 +85,10 @@ pub struct Memory {
     /// keeps; `None` when the allocator does not report it.
     #[serde(default)]
     pub live_heap: Option<u64>,
+    /// Diagnostic: the same count at rest before the load, to tell what the reap left allocated
+    /// from what was allocated before.
+    #[serde(default)]
+    pub baseline_heap: Option<u64>,
     /// Diagnostic: the allocator's own books (`memory::metadata_bytes`) at rest before the
     /// load and after the reap; what they grew by is RSS no trim gives back.
     #[serde(default)]
@@ -125,6 +129,7 @@ pub async fn child(spec: RunSpec) -> anyhow::Result<()> {
         memory = Some(Memory {
             baseline_rss: rss().now,
             baseline_metadata: sessionflow_worker::ops::memory::metadata_bytes(),
+            baseline_heap: sessionflow_worker::ops::memory::allocated_bytes(),
             ..Default::default()
         });
     }
