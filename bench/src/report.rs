@@ -118,6 +118,18 @@ fn mib_tenths(bytes: u64) -> String {
     format!("{:.1} MiB", bytes as f64 / 1048576.0)
 }
 
+/// A diagnostic read at rest and again after the reap: `12.3 → 13.5 MiB`, the after figure alone
+/// when the rest one was not taken (runs before it was), `—` when neither was.
+fn rest_to_after(rest: Option<u64>, after: Option<u64>) -> String {
+    match (rest, after) {
+        (Some(rest), Some(after)) => {
+            format!("{:.1} → {}", rest as f64 / 1048576.0, mib_tenths(after))
+        }
+        (None, Some(after)) => mib_tenths(after),
+        _ => "—".to_string(),
+    }
+}
+
 fn latency_cells(m: Option<&Measured>) -> [String; 3] {
     let Some(m) = m else {
         return ["—".into(), "—".into(), "—".into()];
@@ -288,35 +300,24 @@ fn scenario_table(o: &Outcome, md: &mut String) {
                  the reap | diagnostic: allocator metadata, at rest → after the reap |\n\
                  |---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
             );
-        }
-        for (system, mem) in &probed {
-            let _ = writeln!(
-                md,
-                "| {} | {} MiB | {} MiB | {} MiB | {} | {} | {:.1} s | {} | {} |",
-                system.label(),
-                mib(mem.baseline_rss),
-                mib(mem.peak_rss),
-                mib(mem.after_reap_rss),
-                fmt_ratio(ratio(
-                    Some(mem.after_reap_rss as f64),
-                    Some(mem.baseline_rss as f64)
-                )),
-                fmt_int(mem.peak_sessions as f64),
-                mem.reap_secs,
-                match (mem.baseline_heap, mem.live_heap) {
-                    (Some(rest), Some(after)) =>
-                        format!("{:.1} → {}", rest as f64 / 1048576.0, mib_tenths(after)),
-                    (None, Some(after)) => mib_tenths(after),
-                    _ => "—".to_string(),
-                },
-                match (mem.baseline_metadata, mem.after_reap_metadata) {
-                    (Some(rest), Some(after)) =>
-                        format!("{:.1} → {}", rest as f64 / 1048576.0, mib_tenths(after)),
-                    _ => "—".to_string(),
-                },
-            );
-        }
-        if !probed.is_empty() {
+            for (system, mem) in &probed {
+                let _ = writeln!(
+                    md,
+                    "| {} | {} MiB | {} MiB | {} MiB | {} | {} | {:.1} s | {} | {} |",
+                    system.label(),
+                    mib(mem.baseline_rss),
+                    mib(mem.peak_rss),
+                    mib(mem.after_reap_rss),
+                    fmt_ratio(ratio(
+                        Some(mem.after_reap_rss as f64),
+                        Some(mem.baseline_rss as f64)
+                    )),
+                    fmt_int(mem.peak_sessions as f64),
+                    mem.reap_secs,
+                    rest_to_after(mem.baseline_heap, mem.live_heap),
+                    rest_to_after(mem.baseline_metadata, mem.after_reap_metadata),
+                );
+            }
             md.push('\n');
         }
     }
