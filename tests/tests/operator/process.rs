@@ -57,7 +57,8 @@ async fn the_operator_process_reconciles_and_reports_in_conditions() {
                 std::env::var("SESSIONFLOW_KUBECONFIG").unwrap(),
             )
             .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
+            // Its log (on stdout) goes to the test's output: shown when the test fails.
+            .stdout(Stdio::inherit())
             .stderr(Stdio::inherit())
             .spawn()
             .expect("operator starts"),
