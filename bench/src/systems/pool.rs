@@ -1,13 +1,13 @@
 //! System 4: the flat worker pool — the seed article's first design.
 //!
 //! A consumer thread hashes each record's session onto one of a fixed number of workers
-//! (`--pool-workers`, jump hash as the engine uses) and queues it there (bounded; a full queue
-//! blocks the consumer thread, which is this design's backpressure). Each worker handles its
-//! queue one record at a time, retrying a failing record in place, so per-session order holds
-//! and sessions run in parallel up to the pool size — but a retrying session stalls every other
-//! session hashed onto its worker, which is why the article replaced it. Completions come back
-//! to the consumer thread, which commits the contiguous watermark with the engine's own offset
-//! tracker, so the pool commits as safely as sessionflow does.
+//! (`--pool-workers`, routed as the engine routes to its dispatchers) and queues it there
+//! (bounded; a full queue blocks the consumer thread, which is this design's backpressure).
+//! Each worker handles its queue one record at a time, retrying a failing record in place, so
+//! per-session order holds and sessions run in parallel up to the pool size — but a retrying
+//! session stalls every other session hashed onto its worker, which is why the article replaced
+//! it. Completions come back to the consumer thread, which commits the contiguous watermark with
+//! the engine's own offset tracker, so the pool commits as safely as sessionflow does.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -18,6 +18,7 @@ use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::{Message, Offset, TopicPartitionList};
 use sessionflow_worker::commit::offsets::OffsetTracker;
 use sessionflow_worker::dispatch::routing::SessionRouter;
+use sessionflow_worker::record::session_id::session_hash;
 use tokio::sync::mpsc;
 
 use super::{baseline_consumer, Running, SystemSettings};
@@ -78,7 +79,10 @@ pub fn start(settings: &SystemSettings, core: Arc<Core>) -> anyhow::Result<Runni
                                         offset,
                                     };
                                     // Blocks while the worker's queue is full.
-                                    if senders[router.route(key)].blocking_send(job).is_err() {
+                                    if senders[router.route(session_hash(key))]
+                                        .blocking_send(job)
+                                        .is_err()
+                                    {
                                         return;
                                     }
                                 }

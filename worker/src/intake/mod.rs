@@ -541,7 +541,7 @@ impl IntakeLoop {
         } else if !state.pending.is_empty() {
             state.pending.park(record);
         } else {
-            let d = self.router.route(record.session().unwrap_or_default());
+            let d = self.router.route(record.session_hash());
             self.outbox.borrow_mut()[d].push(record);
         }
         let span = book
@@ -572,7 +572,7 @@ impl IntakeLoop {
         for (p, state) in book.partitions.iter_mut() {
             if !state.pending.is_empty() {
                 let (_, closed) = state.pending.drain(|record| {
-                    let d = self.router.route(record.session().unwrap_or_default());
+                    let d = self.router.route(record.session_hash());
                     offer(&self.dispatchers[d], record)
                 });
                 state.unreleased = state.unreleased.saturating_sub(closed.len());

@@ -277,6 +277,8 @@ pub struct InputRecord {
     /// The session id: the key's piece or a header's; `None` when the record has none (it goes
     /// to the DLQ).
     session: Option<Piece>,
+    /// The session id's [`session_id::session_hash`], taken once here (0 without an id).
+    session_hash: u64,
     /// Headers in their original order; duplicates kept. Two fit in the record itself.
     headers: SmallVec<[(HeaderName, Option<Piece>); 2]>,
 }
@@ -383,6 +385,7 @@ impl InputRecord {
         }
         .filter(|s| s.len > 0);
         let seq = find_piece(header::SEQ).and_then(|p| parse_seq(slice(&bytes, p)));
+        let session_hash = session.map_or(0, |p| session_id::session_hash(slice(&bytes, p)));
         Self {
             topic: place.topic,
             partition: place.partition,
@@ -393,6 +396,7 @@ impl InputRecord {
             key,
             value,
             session,
+            session_hash,
             headers,
         }
     }
@@ -408,6 +412,11 @@ impl InputRecord {
     /// The session id; `None` when the record has none (or an empty one).
     pub fn session(&self) -> Option<&[u8]> {
         self.session.map(|p| self.piece(p))
+    }
+
+    /// The session id's hash in this process ([`session_id::session_hash`]); 0 without one.
+    pub fn session_hash(&self) -> u64 {
+        self.session_hash
     }
 
     /// The headers in their original order, duplicates kept.

@@ -9,10 +9,13 @@
 //! table; a longer one (a UUID's 36 characters) is shared behind an `Arc`, so a copy of the key
 //! (the dispatcher lists the sessions it tends) never allocates.
 //!
-//! It hashes and compares as its bytes, so the map is looked up with the record's `&[u8]`.
+//! It compares as its bytes, so the map is looked up with the record's `&[u8]`.
+//!
+//! A record's id is hashed once, as it is taken in ([`session_hash`]): that one hash routes the
+//! record to its dispatcher and finds its session in the dispatcher's map. The hash is seeded
+//! at random once per process, so ids chosen to collide cannot be prepared in advance (as a
+//! map seeded per instance guards against), and it means nothing outside the process.
 
-use std::borrow::Borrow;
-use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 /// The longest id held inline: the key is then 24 bytes, an `Arc<[u8]>` and a tag.
@@ -46,19 +49,6 @@ impl SessionId {
     }
 }
 
-impl Borrow<[u8]> for SessionId {
-    fn borrow(&self) -> &[u8] {
-        self.as_bytes()
-    }
-}
-
-// As `[u8]` does, so that `Borrow` lookups find the key.
-impl Hash for SessionId {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        self.as_bytes().hash(state);
-    }
-}
-
 impl PartialEq for SessionId {
     fn eq(&self, other: &Self) -> bool {
         self.as_bytes() == other.as_bytes()
@@ -73,7 +63,15 @@ impl std::fmt::Debug for SessionId {
     }
 }
 
-/// FNV-1a, 64 bit: a stable, fast hash for short keys such as session ids.
+/// The hash of a session id within this process (see the module doc): foldhash, seeded at
+/// random at the first call.
+pub fn session_hash(id: &[u8]) -> u64 {
+    static STATE: std::sync::LazyLock<foldhash::fast::RandomState> =
+        std::sync::LazyLock::new(Default::default);
+    std::hash::BuildHasher::hash_one(&*STATE, id)
+}
+
+/// FNV-1a, 64 bit: a stable, fast hash for short keys, the same on every platform.
 pub fn stable_hash(bytes: &[u8]) -> u64 {
     const OFFSET_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
     const PRIME: u64 = 0x0000_0100_0000_01b3;
@@ -105,24 +103,30 @@ mod tests {
     }
 
     proptest! {
-        /// Any id, short or long: its bytes come back, and a map keyed by ids finds it by its
-        /// bytes and tells it from every other id.
+        /// Any id, short or long: its bytes come back, and a table of ids found by their
+        /// hashes (as a dispatcher's) finds it by its bytes and tells it from every other id.
         #[test]
         fn an_id_is_its_bytes(ids in proptest::collection::vec(
             proptest::collection::vec(any::<u8>(), 0..40), 1..50)
         ) {
-            let mut map = hashbrown::HashMap::new();
+            let rehash = |(k, _): &(SessionId, usize)| session_hash(k.as_bytes());
+            let find = |table: &hashbrown::HashTable<(SessionId, usize)>, id: &[u8]| {
+                table.find(session_hash(id), |(k, _)| k.as_bytes() == id).map(|(_, i)| *i)
+            };
+            let mut table = hashbrown::HashTable::new();
             for (i, id) in ids.iter().enumerate() {
                 let key = SessionId::new(id);
                 prop_assert_eq!(key.as_bytes(), &id[..]);
                 prop_assert!(key.clone() == key);
-                map.entry(key).or_insert(i);
+                if find(&table, id).is_none() {
+                    table.insert_unique(session_hash(id), (key, i), rehash);
+                }
             }
             for id in &ids {
                 let first = ids.iter().position(|other| other == id).unwrap();
-                prop_assert_eq!(map.get(&id[..]), Some(&first));
+                prop_assert_eq!(find(&table, id), Some(first));
             }
-            prop_assert_eq!(map.get(&b"not an id of the test: longer than forty bytes"[..]), None);
+            prop_assert_eq!(find(&table, b"not an id of the test: longer than forty bytes"), None);
         }
     }
 }

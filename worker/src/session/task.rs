@@ -34,6 +34,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::handler::{Handler, HandlerError, HandlerResult};
+use crate::ops::batched::Batched;
 use crate::ops::health::Health;
 use crate::ops::metrics::Metrics;
 use crate::ops::signal::Signal;
@@ -289,6 +290,8 @@ impl<H: Handler> SessionTask<H> {
     /// Takes `first`, then each record already queued behind it, until none is left (without
     /// waiting for more); `Break` when shutdown aborted the work.
     async fn work(&mut self, first: Box<InputRecord>) -> ControlFlow<()> {
+        // The run's `ok` handler times (see `batched`); what it holds is added when it drops.
+        let mut ok_seconds = Batched::default();
         let mut next = Some(first);
         while let Some(record) = next {
             if self.ctx.abort.is_cancelled() {
@@ -300,7 +303,7 @@ impl<H: Handler> SessionTask<H> {
                 self.ctx.metrics.replay_skipped.inc();
                 self.ctx.producer.complete(&record);
             } else {
-                self.process(record).await;
+                self.process(record, &mut ok_seconds).await;
             }
             self.rx.finished();
             next = self.rx.try_next();
@@ -310,7 +313,7 @@ impl<H: Handler> SessionTask<H> {
 
     /// Runs one record until it is settled (output or DLQ acknowledged), or releases it
     /// (abort, revocation).
-    async fn process(&mut self, record: Box<InputRecord>) {
+    async fn process(&mut self, record: Box<InputRecord>, ok_seconds: &mut Batched) {
         if self.memory.entry.observe(record.lease.epoch, record.seq()) {
             self.ctx
                 .metrics
@@ -325,7 +328,10 @@ impl<H: Handler> SessionTask<H> {
         let started = Instant::now();
         let mut watch = StuckWatch::start(self.ctx.stuck, started);
         let settled = async {
-            match self.attempt(&record, &mut watch, started, traced).await {
+            match self
+                .attempt(&record, &mut watch, started, traced, ok_seconds)
+                .await
+            {
                 Some(outcome) => {
                     self.ctx
                         .settler()
@@ -355,6 +361,7 @@ impl<H: Handler> SessionTask<H> {
         watch: &mut StuckWatch,
         first_start: Instant,
         traced: bool,
+        ok_seconds: &mut Batched,
     ) -> Option<Outcome> {
         let ctx = &*self.ctx;
         let mut attempt: u32 = 1;
@@ -384,13 +391,14 @@ impl<H: Handler> SessionTask<H> {
                     }
                 }
             };
-            let seconds = &ctx.metrics.handler_outcome;
+            let ended = Instant::now();
+            let seconds = ended.saturating_duration_since(started).as_secs_f64();
+            let outcomes = &ctx.metrics.handler_outcome;
             match &result {
-                Ok(_) => &seconds.ok,
-                Err(HandlerError::Transient(_)) => &seconds.transient,
-                Err(HandlerError::Poison(_)) => &seconds.poison,
+                Ok(_) => ok_seconds.observe(&outcomes.ok, seconds, ended),
+                Err(HandlerError::Transient(_)) => outcomes.transient.observe(seconds),
+                Err(HandlerError::Poison(_)) => outcomes.poison.observe(seconds),
             }
-            .observe(started.elapsed().as_secs_f64());
             let error = match result {
                 Ok(payload) => return Some(Outcome::Output(payload)),
                 Err(HandlerError::Poison(e)) => {
