@@ -193,26 +193,25 @@ impl Extractor for RecordHeaders<'_> {
 /// The span of one record, a child of the trace its `traceparent` names (if any); none when
 /// nothing wants it (see the module's introduction): an unsampled record costs a header scan.
 pub fn record_span(record: &InputRecord) -> tracing::Span {
-    let traceparent = record.header(header::TRACEPARENT);
     if !EVERY_RECORD_SPAN.load(Ordering::Relaxed)
         && !sampling::sampled(
             PARENT_BASED.load(Ordering::Relaxed),
             ROOT_THRESHOLD.load(Ordering::Relaxed),
-            Parent::of(traceparent),
+            Parent::of(record.header(header::TRACEPARENT)),
             sampling::draw(record.partition, record.offset),
         )
     {
         return tracing::Span::none();
     }
-    let traced = traceparent.is_some();
     let span = tracing::debug_span!(target: RECORD_SPANS, "record",
         session = %record.session_str(),
         partition = record.partition,
         offset = record.offset,
         event_id = %record.event_id(),
     );
-    // No subscriber takes the span (telemetry not installed): no parent to read either.
-    if traced && !span.is_disabled() {
+    // No subscriber takes the span (telemetry not installed): no parent to read, no header
+    // scanned for one.
+    if !span.is_disabled() && record.header(header::TRACEPARENT).is_some() {
         let parent = TraceContextPropagator::new().extract(&RecordHeaders(record));
         let _ = span.set_parent(parent);
     }
