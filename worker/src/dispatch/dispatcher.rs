@@ -211,6 +211,7 @@ mod tests {
     use crate::session::retry::RetryPolicy;
     use crate::session::stuck::{StuckAction, StuckPolicy};
     use crate::HandlerResult;
+    use std::sync::atomic::Ordering::Relaxed;
 
     #[cfg(feature = "jemalloc")]
     struct Noop;
@@ -508,5 +509,103 @@ mod tests {
         let seen = h.ctx.metrics.handler_outcome.ok.get_sample_count();
         assert_eq!(seen, SESSIONS as u64 * RECORDS);
         h.stop().await;
+    }
+
+    /// The handler times a run holds reach the histogram when the task waits, not only when its
+    /// run ends: while a record of the run retries with backoff, the times of the records
+    /// before it are already there.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn held_handler_times_are_added_before_a_retrys_backoff() {
+        held_times_are_added_while(Sickness::Fails).await;
+    }
+
+    /// The same while a record's handler takes long (it was not done at its first poll).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn held_handler_times_are_added_while_a_handler_takes_long() {
+        held_times_are_added_while(Sickness::Hangs).await;
+    }
+
+    /// Records 1 to [`SickAt::SEQ`] of one session in one run, the last of them held up by
+    /// `sickness` until the test heals it: meanwhile the handler times of the records before
+    /// it are in the histogram.
+    async fn held_times_are_added_while(sickness: Sickness) {
+        let h = Harness::start(SickAt::new(sickness), true);
+        let records = (1..=SickAt::SEQ)
+            .map(|seq| record(0, seq, &h.lease))
+            .collect();
+        h.hand_over(records).await;
+        let before_it = SickAt::SEQ - 1;
+        let held_up = || match sickness {
+            Sickness::Fails => h.ctx.metrics.retries.get() > 0,
+            Sickness::Hangs => h.ctx.handler.hanging.load(Relaxed),
+        };
+        let held_up_with_the_times_in = async {
+            let ok = &h.ctx.metrics.handler_outcome.ok;
+            while !held_up() || ok.get_sample_count() < before_it {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(30), held_up_with_the_times_in)
+            .await
+            .expect("the times of the records before the held-up one were still held");
+        assert_eq!(h.done.try_iter().count() as u64, before_it, "still held up");
+        h.ctx.handler.sick.store(false, Relaxed);
+        h.settle(1).await;
+        let ok = h.ctx.metrics.handler_outcome.ok.get_sample_count();
+        assert_eq!(ok, SickAt::SEQ);
+        h.stop().await;
+    }
+
+    #[derive(Clone, Copy)]
+    enum Sickness {
+        /// Fails transiently (and is retried with backoff).
+        Fails,
+        /// Does not return.
+        Hangs,
+    }
+
+    /// Record 1 takes a moment (so the rest queue behind it, one run), record [`Self::SEQ`] is
+    /// held up by its sickness while `sick`, the others succeed at once.
+    struct SickAt {
+        sickness: Sickness,
+        sick: std::sync::atomic::AtomicBool,
+        /// Record [`Self::SEQ`]'s handler is waiting to be healed.
+        hanging: std::sync::atomic::AtomicBool,
+    }
+
+    impl SickAt {
+        const SEQ: u64 = 6;
+
+        fn new(sickness: Sickness) -> Self {
+            Self {
+                sickness,
+                sick: true.into(),
+                hanging: false.into(),
+            }
+        }
+    }
+
+    impl Handler for SickAt {
+        async fn handle(&self, record: &InputRecord, _: u32) -> HandlerResult {
+            if record.seq() == Some(1) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            if record.seq() != Some(Self::SEQ) {
+                return Ok(None);
+            }
+            match self.sickness {
+                Sickness::Fails if self.sick.load(Relaxed) => {
+                    Err(crate::handler::HandlerError::Transient("sick".into()))
+                }
+                Sickness::Fails => Ok(None),
+                Sickness::Hangs => {
+                    while self.sick.load(Relaxed) {
+                        self.hanging.store(true, Relaxed);
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                    Ok(None)
+                }
+            }
+        }
     }
 }

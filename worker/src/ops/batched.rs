@@ -6,9 +6,13 @@
 //! nearly every record: ~2% of the engine's CPU in P1 (BENCHMARKS.md, *One hash per record*).
 //! A session task working through its queue observes here instead: the first observation of a
 //! run goes to the histogram at once (a session with one record pays nothing extra), the rest are
-//! counted in a [`LocalHistogram`] of the task's own and added together, at most [`BATCH`]
-//! observations or [`HELD_AT_MOST`] later, and when the run ends (a `LocalHistogram` adds what
-//! it holds when it is dropped). A scrape sees them that much later, never lost.
+//! counted in a [`LocalHistogram`] of the task's own and added together: at the [`BATCH`]th, at
+//! the first observation [`HELD_AT_MOST`] after the oldest held one, when the task is about to
+//! wait ([`Batched::waiting`]: a handler not done at its first poll, a retry's backoff, a write
+//! awaiting the broker), and when the run ends (a `LocalHistogram` adds what it holds when it is
+//! dropped). So a time is held only while its task keeps working without a pause, and a scrape
+//! sees it that much later, never lost. A stage whose every record waits (an output awaiting its
+//! acknowledgement) observes straight into the histogram, as before this module.
 
 use std::time::{Duration, Instant};
 
@@ -17,7 +21,7 @@ use prometheus::Histogram;
 
 /// Observations held before they are added to the histogram.
 pub const BATCH: u32 = 32;
-/// How long an observation is held at most (checked at the next one, and at the run's end).
+/// How long an observation is held while its task works without a pause (checked at the next).
 pub const HELD_AT_MOST: Duration = Duration::from_secs(1);
 
 /// One run's observations of a histogram (the same one at every call).
@@ -46,6 +50,14 @@ impl Batched {
         if self.held >= BATCH || now.saturating_duration_since(since) >= HELD_AT_MOST {
             self.flush();
         }
+    }
+
+    /// The task is about to wait: adds what is held, and the next observation goes to the
+    /// histogram at once, as a run's first does (so a run that waits at every record holds
+    /// nothing back, and pays nothing for the batch).
+    pub fn waiting(&mut self) {
+        self.flush();
+        self.observed = false;
     }
 
     /// Adds what is held to the histogram.

@@ -26,6 +26,7 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::ops::ControlFlow;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Instant;
 
 use futures::FutureExt;
@@ -333,10 +334,17 @@ impl<H: Handler> SessionTask<H> {
                 .await
             {
                 Some(outcome) => {
-                    self.ctx
-                        .settler()
-                        .settle(&record, outcome, Some(&mut watch), started)
-                        .await
+                    let settler = self.ctx.settler();
+                    let settling = settler.settle(&record, outcome, Some(&mut watch), started);
+                    tokio::pin!(settling);
+                    match futures::poll!(settling.as_mut()) {
+                        Poll::Ready(settled) => settled,
+                        // A write awaiting the broker, or the membership fence.
+                        Poll::Pending => {
+                            ok_seconds.waiting();
+                            settling.await
+                        }
+                    }
                 }
                 None => {
                     self.ctx.producer.release(&record);
@@ -371,22 +379,29 @@ impl<H: Handler> SessionTask<H> {
                 .call(record, attempt)
                 .instrument(telemetry::attempt_span(traced, attempt));
             tokio::pin!(call);
-            let result = loop {
-                // Biased, the call first: a handler that is done at its first poll (most are,
-                // for a cached or CPU-only step) never arms the stuck timer or registers with
-                // the abort token, which would cost a timer-wheel entry per record.
-                tokio::select! {
-                    biased;
-                    r = &mut call => break r,
-                    _ = ctx.abort.cancelled() => return None,
-                    _ = watch.expired(), if watch.armed() => {
-                        if watch.fire(record, &ctx.metrics, first_start) == Verdict::DeadLetter {
-                            return Some(Outcome::DeadLetter {
-                                reason: DlqReason::Stuck,
-                                error: format!("handler did not finish within {:?} (attempt {attempt})",
-                                    ctx.stuck.timeout),
-                                attempts: attempt,
-                            });
+            // A handler that is done at its first poll (most are, for a cached or CPU-only step)
+            // never arms the stuck timer or registers with the abort token, which would cost a
+            // timer-wheel entry per record. One that is not makes the task wait: what the run
+            // holds of the handler times goes to the histogram first.
+            let result = match futures::poll!(call.as_mut()) {
+                Poll::Ready(r) => r,
+                Poll::Pending => {
+                    ok_seconds.waiting();
+                    loop {
+                        tokio::select! {
+                            biased;
+                            r = &mut call => break r,
+                            _ = ctx.abort.cancelled() => return None,
+                            _ = watch.expired(), if watch.armed() => {
+                                if watch.fire(record, &ctx.metrics, first_start) == Verdict::DeadLetter {
+                                    return Some(Outcome::DeadLetter {
+                                        reason: DlqReason::Stuck,
+                                        error: format!("handler did not finish within {:?} (attempt {attempt})",
+                                            ctx.stuck.timeout),
+                                        attempts: attempt,
+                                    });
+                                }
+                            }
                         }
                     }
                 }
@@ -421,6 +436,7 @@ impl<H: Handler> SessionTask<H> {
             let delay = ctx.retry.delay(attempt, rand::rng().random::<f64>());
             tracing::debug!(session = %record.session_str(), offset = record.offset,
                 attempt, ?delay, error = %error, "transient failure; retrying in place");
+            ok_seconds.waiting();
             let sleep = tokio::time::sleep(delay);
             tokio::pin!(sleep);
             loop {
