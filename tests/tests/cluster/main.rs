@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 use futures::FutureExt;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
-use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
+use k8s_openapi::api::core::v1::{Event, Namespace, Pod, ServiceAccount};
 use k8s_openapi::api::rbac::v1::RoleBinding;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -182,6 +182,9 @@ impl Env {
         })
         .catch_unwind()
         .await;
+        if outcome.is_err() {
+            env.describe().await;
+        }
         let logs = std::mem::take(&mut *env.logs.lock().unwrap());
         for log in &logs {
             if outcome.is_err() {
@@ -199,6 +202,65 @@ impl Env {
         env.cleanup().await;
         if let Err(panic) = outcome {
             std::panic::resume_unwind(panic);
+        }
+    }
+
+    /// What a failed test prints besides the operator's log: the namespace's pods and events,
+    /// and what the control plane's controllers logged about it (a pod that never became
+    /// ready is a controller's, the scheduler's or kwok's to explain, not the operator's).
+    async fn describe(&self) {
+        let ns = &self.namespace;
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), ns);
+        match pods.list(&ListParams::default()).await {
+            Ok(list) => {
+                eprintln!("--- the pods of {ns}:");
+                for pod in list {
+                    let status = pod.status.as_ref();
+                    let conditions: Vec<String> = status
+                        .and_then(|s| s.conditions.as_ref())
+                        .into_iter()
+                        .flatten()
+                        .map(|c| format!("{}={}", c.type_, c.status))
+                        .collect();
+                    let node = pod.spec.as_ref().and_then(|s| s.node_name.as_deref());
+                    let phase = status.and_then(|s| s.phase.as_deref());
+                    eprintln!(
+                        "{} node {node:?} phase {phase:?} {}",
+                        pod.name_any(),
+                        conditions.join(" ")
+                    );
+                }
+            }
+            Err(e) => eprintln!("--- listing the pods of {ns}: {e}"),
+        }
+        let events: Api<Event> = Api::namespaced(self.client.clone(), ns);
+        match events.list(&ListParams::default()).await {
+            Ok(list) => {
+                eprintln!("--- the events of {ns}:");
+                for event in list {
+                    let object = &event.involved_object;
+                    eprintln!(
+                        "{:?} {:?} {}/{}: {}",
+                        event.type_.unwrap_or_default(),
+                        event.reason.unwrap_or_default(),
+                        object.kind.as_deref().unwrap_or_default(),
+                        object.name.as_deref().unwrap_or_default(),
+                        event.message.unwrap_or_default()
+                    );
+                }
+            }
+            Err(e) => eprintln!("--- listing the events of {ns}: {e}"),
+        }
+        // scripts/cluster.sh writes each component's output to its state directory.
+        let state = repo_path("scripts/.local/cluster");
+        for component in ["kube-controller-manager", "kube-scheduler", "kwok"] {
+            let log = state.join(format!("{component}.log"));
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let about: Vec<&str> = text.lines().filter(|l| l.contains(ns.as_str())).collect();
+            eprintln!("--- the last lines of {} about {ns}:", log.display());
+            for line in &about[about.len().saturating_sub(20)..] {
+                eprintln!("{line}");
+            }
         }
     }
 
