@@ -258,6 +258,9 @@ impl Env {
             let text = std::fs::read_to_string(&log).unwrap_or_default();
             let about: Vec<&str> = text.lines().filter(|l| l.contains(ns.as_str())).collect();
             eprintln!("--- the last lines of {} about {ns}:", log.display());
+            if about.is_empty() {
+                eprintln!("(none)");
+            }
             for line in &about[about.len().saturating_sub(20)..] {
                 eprintln!("{line}");
             }
