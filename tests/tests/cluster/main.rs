@@ -252,10 +252,16 @@ impl Env {
             Err(e) => eprintln!("--- listing the events of {ns}: {e}"),
         }
         // scripts/cluster.sh writes each component's output to its state directory.
-        let state = repo_path("scripts/.local/cluster");
+        let state = repo_path(".local/cluster");
         for component in ["kube-controller-manager", "kube-scheduler", "kwok"] {
             let log = state.join(format!("{component}.log"));
-            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let text = match std::fs::read_to_string(&log) {
+                Ok(text) => text,
+                Err(e) => {
+                    eprintln!("--- {}: {e}", log.display());
+                    continue;
+                }
+            };
             let about: Vec<&str> = text.lines().filter(|l| l.contains(ns.as_str())).collect();
             eprintln!("--- the last lines of {} about {ns}:", log.display());
             if about.is_empty() {
