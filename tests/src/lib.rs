@@ -496,6 +496,7 @@ impl WorkerProcess {
         level: &str,
         env: &[(&str, &str)],
     ) -> Self {
+        panics_on_stdout();
         let config = TempFile::with_text("sessionflow-config", ".yaml", yaml);
         let child = std::process::Command::new(worker_binary())
             .envs(env.iter().copied())
@@ -907,6 +908,23 @@ impl MockKafka {
     }
 }
 
+/// Repeats a test's panic message on stdout (once per test process; later calls do nothing).
+///
+/// A panic is printed to stderr, after everything the test's worker processes logged there
+/// (they inherit it): thousands of lines in the long tests. A run's summary, CI's among them,
+/// shows a failed test's stdout first and may cut its stderr short, so the one line that says
+/// what failed was the line cut. Called by the helpers that start workers and clusters.
+pub fn panics_on_stdout() {
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            println!("test panicked: {info}");
+            default(info);
+        }));
+    });
+}
+
 /// A cluster of Apache Kafka started for one test by `scripts/kafka.sh` on ports of its own
 /// (e.g. with a SASL_SSL listener, or three nodes), stopped and deleted when dropped.
 pub struct ScriptCluster {
@@ -918,6 +936,7 @@ pub struct ScriptCluster {
 impl ScriptCluster {
     /// `scripts/kafka.sh start --port PORT ARGS…`; panics with the script's output if it fails.
     pub fn start(port: u16, args: &[&str]) -> Self {
+        panics_on_stdout();
         let out = std::process::Command::new(kafka_script())
             .args(["start", "--port", &port.to_string()])
             .args(args)

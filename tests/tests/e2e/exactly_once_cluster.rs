@@ -12,12 +12,14 @@
 //! offsets topic on the three nodes (kafka.sh sets both for N > 1). The input is produced all
 //! along the faults by a task of the test, so each fault meets records in flight whatever the
 //! machine's speed; each step waits (bounded) for what it needs — the group's members, the
-//! committed offsets moving — and fails naming it.
+//! committed offsets moving — and fails naming it. Each step's end is printed on stdout with
+//! the seconds since the test began (stderr carries the workers' logs), so a failed run shows
+//! how far it got.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
@@ -50,6 +52,7 @@ const WAIT: Duration = Duration::from_secs(120);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_exactly_once_stage_on_three_nodes_survives_a_join_a_freeze_a_kill_and_a_stop() {
+    let began = Instant::now();
     let cluster = ScriptCluster::start(PORT, &["--nodes", "3"]);
     let brokers = cluster.bootstrap.clone();
     let topics = Topics {
@@ -65,6 +68,7 @@ async fn an_exactly_once_stage_on_three_nodes_survives_a_join_a_freeze_a_kill_an
         brokers: &brokers,
         topics: &topics,
         input: &input,
+        began,
     };
     let yaml = |name: &str| {
         let builtin = format!(
@@ -139,9 +143,10 @@ async fn an_exactly_once_stage_on_three_nodes_survives_a_join_a_freeze_a_kill_an
             w.terminate();
         }
     }
-    eprintln!(
-        "input {total} records; worker-a running after its resume: {a_after_resume}; worker-c's \
-         exit on SIGTERM: {c_status}; spare workers started: {spares}"
+    println!(
+        "{:.0?} drained: input {total} records; worker-a running after its resume: \
+         {a_after_resume}; worker-c's exit on SIGTERM: {c_status}; spare workers started: {spares}",
+        began.elapsed()
     );
 
     check_exactly_once(&brokers, &topics, total);
@@ -162,6 +167,8 @@ struct Run<'a> {
     brokers: &'a str,
     topics: &'a Topics,
     input: &'a Input,
+    /// When the test began (the steps print the time since).
+    began: Instant,
 }
 
 impl Run<'_> {
@@ -224,8 +231,9 @@ impl Run<'_> {
             last.1,
             self.input.produced()
         );
-        eprintln!(
-            "{what}: committed {} of {} produced, group {:?}",
+        println!(
+            "{:.0?} {what}: committed {} of {} produced, group {:?}",
+            self.began.elapsed(),
             last.0,
             self.input.produced(),
             last.1
@@ -506,7 +514,7 @@ fn check_exactly_once(brokers: &str, topics: &Topics, total: u64) {
     );
 
     let report = sessionflow_tests::verify_on(brokers, topics);
-    eprintln!(
+    println!(
         "{total} input records: {} exactly once in the output, {} poison exactly once in the \
          DLQ; verify:\n{report}",
         total as usize - poison.len(),

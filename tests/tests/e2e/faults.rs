@@ -17,7 +17,8 @@
 //! cluster-wide stack in arrival order, so a test that targets one topic makes sure only that
 //! topic is being written when it injects. librdkafka retries `NOT_ENOUGH_REPLICAS` and
 //! `REQUEST_TIMED_OUT` on Produce by itself (the idempotent producer keeps them unduplicated
-//! and in order); `MSG_SIZE_TOO_LARGE` and `TOPIC_AUTHORIZATION_FAILED` fail the messages of
+//! and in order, on Kafka; on the mock only with one request in flight, see
+//! [`MockPipeline::stage`]); `MSG_SIZE_TOO_LARGE` and `TOPIC_AUTHORIZATION_FAILED` fail the messages of
 //! the request and bump the idempotent producer's epoch; `TOPIC_AUTHORIZATION_FAILED` also
 //! puts the topic in an error state until the next metadata refresh, so the outputs queued
 //! meanwhile are refused locally too. On OffsetCommit, librdkafka gives up on a manual async
@@ -77,7 +78,14 @@ impl MockPipeline {
     }
 
     /// A stage on the mock cluster with Kafka-legal timings (the mock, like Kafka, refuses a
-    /// session timeout below 6 s; a join then takes about 3 s).
+    /// session timeout below 6 s; a join then takes about 3 s), and one Produce request in
+    /// flight per connection, as the chaos run's mock workers have. The mock checks no
+    /// sequence numbers of an idempotent producer: a request failed with `REQUEST_TIMED_OUT`
+    /// followed by one that succeeds makes librdkafka count the first as stored ("implicit
+    /// ack") when the mock never stored it (RELIABILITY.md, *Limits of the mock cluster*).
+    /// Seen here on 6 Dec: one output record lost in
+    /// `retriable_produce_errors_on_the_output_are_retried_in_order`, with every record
+    /// acknowledged to the worker.
     fn stage(&self) -> StageConfig {
         let mut stage = self.topics.stage(builtin(0.0, 0.0));
         stage.brokers = self.brokers.clone();
@@ -88,6 +96,9 @@ impl MockPipeline {
         stage
             .kafka
             .insert("heartbeat.interval.ms".into(), "200".into());
+        stage
+            .kafka
+            .insert("max.in.flight.requests.per.connection".into(), "1".into());
         stage
     }
 
