@@ -470,6 +470,24 @@ impl WorkerProcess {
         Self::spawn_logging(yaml, &[], std::process::Stdio::inherit())
     }
 
+    /// Like [`spawn`](Self::spawn), each line the worker logs prefixed with `[label] ` (on the
+    /// test's stderr), so that the logs of several workers of one test can be told apart.
+    pub fn spawn_labelled(yaml: &str, label: &str) -> Self {
+        use std::io::{BufRead, Write};
+        let mut worker = Self::spawn_logging(yaml, &[], std::process::Stdio::piped());
+        let stderr = worker.child.stderr.take().expect("piped stderr");
+        let label = label.to_string();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stderr)
+                .lines()
+                .map_while(Result::ok)
+            {
+                let _ = writeln!(std::io::stderr().lock(), "[{label}] {line}");
+            }
+        });
+        worker
+    }
+
     /// Like [`spawn`](Self::spawn), with extra arguments and stderr sent to `stderr`.
     pub fn spawn_logging(yaml: &str, args: &[&str], stderr: std::process::Stdio) -> Self {
         // SESSIONFLOW_WORKER_LOG=info (or debug) shows more of the workers while debugging.

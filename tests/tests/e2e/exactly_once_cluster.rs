@@ -81,12 +81,12 @@ async fn an_exactly_once_stage_on_three_nodes_survives_a_join_a_freeze_a_kill_an
     };
 
     // Two workers, then a third joins.
-    let mut a = WorkerProcess::spawn(&yaml("worker-a"));
-    let b = WorkerProcess::spawn(&yaml("worker-b"));
+    let mut a = WorkerProcess::spawn_labelled(&yaml("worker-a"), "a");
+    let b = WorkerProcess::spawn_labelled(&yaml("worker-b"), "b");
     let at = run
         .step("two workers", 0, |m| m.are(&["worker-a", "worker-b"]))
         .await;
-    let c = WorkerProcess::spawn(&yaml("worker-c"));
+    let c = WorkerProcess::spawn_labelled(&yaml("worker-c"), "c");
     let all = ["worker-a", "worker-b", "worker-c"];
     let at = run.step("worker-c joined", at, |m| m.are(&all)).await;
 
@@ -118,7 +118,8 @@ async fn an_exactly_once_stage_on_three_nodes_survives_a_join_a_freeze_a_kill_an
     let mut keep_one = || {
         if !workers.iter_mut().any(|w| w.running()) {
             spares += 1;
-            workers.push(WorkerProcess::spawn(&yaml(&format!("spare-{spares}"))));
+            let name = format!("spare-{spares}");
+            workers.push(WorkerProcess::spawn_labelled(&yaml(&name), &name));
         }
     };
     run.step_with("worker-c stopped", at, |m| m.stable, &mut keep_one)
@@ -469,19 +470,34 @@ fn check_exactly_once(brokers: &str, topics: &Topics, total: u64) {
     // The output, partition by partition in offset order: a session's records are in one
     // partition (keyed), so this is each session's order.
     let mut got: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    let mut where_: HashMap<String, Vec<String>> = HashMap::new();
     for r in read(&topics.output) {
         let (session, seq) = id(&r);
-        got.entry(session).or_default().push(seq);
+        got.entry(session.clone()).or_default().push(seq);
+        where_.entry(session).or_default().push(format!(
+            "seq {seq} at output {}/{} from {}",
+            r.partition,
+            r.offset,
+            r.header(header::EVENT_ID).unwrap_or("?")
+        ));
     }
     let mut wrong = Vec::new();
     for (session, seqs) in &want {
         let out = got.remove(session).unwrap_or_default();
         if &out != seqs {
+            let first = out.iter().zip(seqs).position(|(a, b)| a != b);
+            if wrong.len() < 3 {
+                // Where the first difference was written: which output offsets, from which
+                // input records (the event id ends with the input partition and offset).
+                let at = first.unwrap_or(seqs.len().min(out.len()));
+                let written = where_.get(session).map_or(&[][..], Vec::as_slice);
+                let around = &written[at.saturating_sub(2)..(at + 3).min(written.len())];
+                println!("{session} around its first difference: {around:#?}");
+            }
             wrong.push(format!(
-                "{session}: {} records out, {} wanted; first difference at {:?}",
+                "{session}: {} records out, {} wanted; first difference at {first:?}",
                 out.len(),
                 seqs.len(),
-                out.iter().zip(seqs).position(|(a, b)| a != b)
             ));
         }
     }

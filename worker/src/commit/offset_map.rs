@@ -99,6 +99,29 @@ impl DoneAbove {
         self.done.iter().filter(|d| **d).count()
     }
 
+    /// The first offset the map says nothing about (the watermark plus its span).
+    pub fn end(&self) -> Offset {
+        self.watermark + Offset::try_from(self.done.len()).unwrap_or(Offset::MAX - self.watermark)
+    }
+
+    /// The newest leader epoch of the records the map's writer had taken in.
+    pub fn epoch(&self) -> Epoch {
+        self.epoch
+    }
+
+    /// The offsets from `from` (at least the watermark) up to [`end`](Self::end) that the map
+    /// does not mark done, ascending.
+    pub fn not_done_from(&self, from: Offset) -> impl Iterator<Item = Offset> + '_ {
+        let skip = usize::try_from(from - self.watermark).unwrap_or(0);
+        let watermark = self.watermark;
+        self.done
+            .iter()
+            .enumerate()
+            .skip(skip)
+            .filter(|(_, done)| !**done)
+            .map(move |(i, _)| watermark + i as Offset)
+    }
+
     /// How many offsets below `end` are known to be done.
     pub fn count_below(&self, end: Offset) -> usize {
         let len = usize::try_from(end - self.watermark).unwrap_or(0);

@@ -332,12 +332,25 @@ impl Book {
             let Some(o) = self.tracker.partition_mut(p) else {
                 continue;
             };
-            let map = offset_map::encode(
-                w,
-                o.next().unwrap_or(w),
-                o.newest_epoch(),
-                o.in_flight_offsets(),
-            );
+            let next = o.next().unwrap_or(w).max(w);
+            // Resumed from a committed map (assignment, rewind) whose offsets from `next` on
+            // are not taken in again yet: what it marks done there stays marked. Their outputs
+            // were written by the commit that map came with; a map without them would have
+            // the next owner (or rewind) write them again (exactlyOnce: twice in the output).
+            let inherited = self
+                .partitions
+                .get(&p)
+                .map(|s| &s.done_above)
+                .filter(|d| d.end() > next);
+            let map = match inherited {
+                Some(d) => offset_map::encode(
+                    w,
+                    d.end(),
+                    o.newest_epoch().max(d.epoch()),
+                    o.in_flight_offsets().chain(d.not_done_from(next)),
+                ),
+                None => offset_map::encode(w, next, o.newest_epoch(), o.in_flight_offsets()),
+            };
             let epoch = o.epoch_below(w);
             let overflow = matches!(map, Err(offset_map::MapError::TooLarge(_)));
             if overflow && self.exactly_once {
