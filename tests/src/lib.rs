@@ -755,9 +755,18 @@ pub fn end_offsets_on(brokers: &str, topic: &str) -> Vec<i64> {
     let c = metadata_consumer_on(brokers, "sessionflow-tests-metadata");
     (0..partition_count(&c, topic))
         .map(|p| {
-            c.fetch_watermarks(topic, p, Duration::from_secs(10))
-                .expect("watermarks")
-                .1
+            // A partition just created may not have its leader yet (seen on 6 Dec:
+            // NOT_LEADER_FOR_PARTITION 2 s into a test): asked again for a while.
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                match c.fetch_watermarks(topic, p, Duration::from_secs(10)) {
+                    Ok((_, high)) => break high,
+                    Err(e) if Instant::now() >= deadline => {
+                        panic!("watermarks of {topic} [{p}]: {e}")
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(200)),
+                }
+            }
         })
         .collect()
 }
