@@ -756,17 +756,11 @@ pub fn end_offsets_on(brokers: &str, topic: &str) -> Vec<i64> {
     (0..partition_count(&c, topic))
         .map(|p| {
             // A partition just created may not have its leader yet (seen on 6 Dec:
-            // NOT_LEADER_FOR_PARTITION 2 s into a test): asked again for a while.
-            let deadline = Instant::now() + Duration::from_secs(20);
-            loop {
-                match c.fetch_watermarks(topic, p, Duration::from_secs(10)) {
-                    Ok((_, high)) => break high,
-                    Err(e) if Instant::now() >= deadline => {
-                        panic!("watermarks of {topic} [{p}]: {e}")
-                    }
-                    Err(_) => std::thread::sleep(Duration::from_millis(200)),
-                }
-            }
+            // NOT_LEADER_FOR_PARTITION 2 s into a test).
+            asked_until_answered(&format!("watermarks of {topic} [{p}]"), 20, || {
+                c.fetch_watermarks(topic, p, Duration::from_secs(10))
+            })
+            .1
         })
         .collect()
 }
@@ -779,20 +773,33 @@ pub fn committed_offsets_on(brokers: &str, group: &str, topic: &str) -> Vec<i64>
         tpl.add_partition(topic, p);
     }
     // A cluster just started may still be loading its offsets topic (NOT_COORDINATOR,
-    // COORDINATOR_LOAD_IN_PROGRESS): asked again for a while before giving up.
+    // COORDINATOR_LOAD_IN_PROGRESS).
+    let got = asked_until_answered(&format!("committed offsets of {group}"), 15, || {
+        c.committed_offsets(tpl.clone(), Duration::from_secs(10))
+    });
+    offsets_or_unset(&got)
+}
+
+/// `ask` until it answers, up to `retries` more times a second apart (a broker's transient
+/// refusals: a coordinator loading, a partition without its leader yet); panics naming `what`
+/// with the last error.
+fn asked_until_answered<T>(
+    what: &str,
+    retries: u32,
+    mut ask: impl FnMut() -> rdkafka::error::KafkaResult<T>,
+) -> T {
     let mut asked = 0;
-    let got = loop {
-        match c.committed_offsets(tpl.clone(), Duration::from_secs(10)) {
-            Ok(got) => break got,
-            Err(e) if asked < 15 => {
+    loop {
+        match ask() {
+            Ok(answer) => return answer,
+            Err(e) if asked < retries => {
                 asked += 1;
-                eprintln!("committed offsets of {group}: {e}; asking again");
+                eprintln!("{what}: {e}; asking again");
                 std::thread::sleep(Duration::from_secs(1));
             }
-            Err(e) => panic!("committed offsets of {group}: {e}"),
+            Err(e) => panic!("{what}: {e}"),
         }
-    };
-    offsets_or_unset(&got)
+    }
 }
 
 /// The offsets of `tpl` in its order (a committed-offsets answer), -1 where a partition has
