@@ -130,9 +130,14 @@ enum Command {
     Charts,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+fn main() -> anyhow::Result<()> {
+    // The worker's runtime: its workers hand their allocator caches back after a trim (P5).
+    sessionflow_worker::ops::memory::runtime_builder()
+        .build()?
+        .block_on(run(Cli::parse()))
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Some(Command::Child { spec }) => return run::child(serde_json::from_str(&spec)?).await,
         Some(Command::CallgrindWorkload(args)) => return callgrind::run(args).await,

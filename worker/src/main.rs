@@ -55,7 +55,7 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Runtime::new() {
+    let runtime = match sessionflow_worker::ops::memory::runtime_builder().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: starting the runtime: {e}");

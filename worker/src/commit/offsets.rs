@@ -54,7 +54,8 @@ pub struct PartitionOffsets {
 /// begin pushes at the back (offsets are begun in increasing order), a completion marks its
 /// slot — found at its index when the offsets since the front are contiguous, by binary search
 /// across gaps — and done slots at the front are dropped, so the front is always unfinished.
-/// Its length is bounded by the replay span, which the in-flight cap bounds.
+/// Its length is bounded by the replay span, which the in-flight cap bounds; the room a burst
+/// grew it to is given back on a commit turn once it is mostly empty ([`InFlight::release_spare`]).
 #[derive(Debug, Default, Clone)]
 struct InFlight {
     slots: VecDeque<Slot>,
@@ -115,7 +116,23 @@ impl InFlight {
     fn len(&self) -> usize {
         self.unfinished
     }
+
+    /// Gives back most of the room a burst grew the deque to, once three quarters of it or more
+    /// stand empty: a burst at the default cap leaves 64–128 KiB per partition behind, which a
+    /// worker at rest would hold for good. At most one reallocation per commit turn, and none
+    /// below [`RESTING_SLOTS`] or while the deque is a quarter full or more, so a steady load
+    /// that fills it does not shrink and grow it in turns.
+    fn release_spare(&mut self) {
+        let capacity = self.slots.capacity();
+        if capacity > RESTING_SLOTS && self.slots.len() <= capacity / 4 {
+            self.slots
+                .shrink_to((self.slots.len() * 2).max(RESTING_SLOTS));
+        }
+    }
 }
+
+/// Slots an in-flight deque keeps room for however empty it is.
+const RESTING_SLOTS: usize = 256;
 
 /// Commit turns a sent, unanswered watermark waits before it is sent again.
 pub const RESEND_AFTER_TURNS: u32 = 5;
@@ -189,11 +206,13 @@ impl PartitionOffsets {
                 .is_some_and(|w| self.confirmed.is_none_or(|c| w >= c.saturating_add(step)))
     }
 
-    /// A commit turn passed: an unanswered commit ages.
+    /// A commit turn passed: an unanswered commit ages, and room a burst left in the in-flight
+    /// offsets is given back.
     pub fn tick(&mut self) {
         if let Some((_, turns)) = &mut self.sent {
             *turns += 1;
         }
+        self.in_flight.release_spare();
     }
 
     /// `offset` (with the map of the moment) was sent to the broker.

@@ -233,6 +233,7 @@ impl IntakeLoop {
         let mut last_answer = Instant::now();
         while !self.stopping() {
             self.ctx().health.beat();
+            crate::ops::memory::hand_back_cache_after_trim();
             self.ctx().judge_membership();
             if let Some(transactions) = self.producer.transactions() {
                 // exactlyOnce: transactions that can no longer commit are aborted, and their

@@ -29,7 +29,19 @@
 //! `malloc_trim`) once the number of live sessions has fallen to half of what it was at the
 //! last trim, and once more when the last session of a burst is gone, so a steady load never
 //! trims and a large reap trims a few times, not once per reaped session.
+//!
+//! A purge returns only pages with nothing on them, and every thread's jemalloc cache (tcache)
+//! holds freed blocks of its own, each keeping its page in use: after a reap the tokio workers,
+//! which freed the sessions and the records, hold several MiB of them, scattered over pages
+//! that are otherwise empty. jemalloc flushes a thread's cache only from that thread, so a trim
+//! counts itself ([`TRIMS`]) and each thread that can hand its cache back once per trim calls
+//! [`hand_back_cache_after_trim`] where it is about to wait: the runtime's workers when they
+//! park (the binaries install it as `on_thread_park`, see [`runtime_builder`]), the consumer
+//! loop on each turn. The watcher purges once more on the tick after a trim, when the caches
+//! handed back have emptied their pages.
 
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use prometheus::IntGauge;
@@ -72,18 +84,58 @@ impl TrimPolicy {
     }
 }
 
-/// Watches `live_sessions` until `stop`, trimming the heap when [`TrimPolicy`] says so.
+/// How many trims have run; a thread hands its cache back when this has moved since it last
+/// looked ([`hand_back_cache_after_trim`]).
+static TRIMS: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    /// The value of [`TRIMS`] when this thread last handed its cache back.
+    static TRIMS_SEEN: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Hands this thread's allocator cache back to the heap if a trim has run since it last did:
+/// one atomic load otherwise, cheap enough for every park of a runtime worker and every turn
+/// of the consumer loop.
+pub fn hand_back_cache_after_trim() {
+    let trims = TRIMS.load(Ordering::Relaxed);
+    if TRIMS_SEEN.with(|seen| seen.replace(trims)) != trims {
+        flush_thread_cache();
+    }
+}
+
+/// Asks every thread that calls [`hand_back_cache_after_trim`] to flush its cache once more.
+fn ask_for_thread_caches() {
+    TRIMS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// A multi-thread tokio runtime builder whose workers hand their allocator caches back after a
+/// trim, when they park (the worker and the bench build their runtimes from it).
+pub fn runtime_builder() -> tokio::runtime::Builder {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    builder
+        .enable_all()
+        .on_thread_park(hand_back_cache_after_trim);
+    builder
+}
+
+/// Watches `live_sessions` until `stop`, trimming the heap when [`TrimPolicy`] says so, and
+/// purging once more on the next tick, once the threads have handed their caches back.
 pub async fn trim_after_reaps(live_sessions: IntGauge, stop: CancellationToken) {
     let mut policy = TrimPolicy::default();
     let mut tick = tokio::time::interval(CHECK_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut purge_again = false;
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
         if policy.observe(live_sessions.get()) {
+            ask_for_thread_caches();
             // Walks every arena: off the async workers.
+            let _ = tokio::task::spawn_blocking(trim).await;
+            purge_again = true;
+        } else if std::mem::take(&mut purge_again) {
             let _ = tokio::task::spawn_blocking(trim).await;
         }
     }
@@ -154,6 +206,27 @@ fn trim() {
     // SAFETY: malloc_trim only hands free pages of the heap back to the kernel.
     unsafe {
         libc::malloc_trim(0);
+    }
+}
+
+/// Hands this thread's cached free blocks back to the heap (jemalloc's tcache; glibc's cache
+/// is small and has no such call).
+fn flush_thread_cache() {
+    #[cfg(feature = "jemalloc")]
+    if jemalloc_in_use() {
+        // SAFETY: a "flush" command reads and writes nothing through the (null) pointers.
+        let rc = unsafe {
+            tikv_jemalloc_sys::mallctl(
+                c"thread.tcache.flush".as_ptr(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                0,
+            )
+        };
+        if rc != 0 {
+            tracing::debug!(rc, "jemalloc refused to flush this thread's cache");
+        }
     }
 }
 
@@ -290,6 +363,46 @@ mod tests {
             after + (48 << 20) < resident,
             "RSS {resident} -> {after}: the freed pages stayed mapped"
         );
+    }
+
+    /// A thread's cache is flushed once per trim, when the thread next looks: blocks freed on a
+    /// thread stay counted as allocated (jemalloc keeps them in the thread's cache) until then.
+    #[cfg(feature = "jemalloc")]
+    #[test]
+    fn a_thread_hands_its_cache_back_once_after_each_trim() {
+        let _alone = HEAP_MEASURED.blocking_lock();
+        std::thread::spawn(|| {
+            let cache_some_blocks = || {
+                let blocks: Vec<Box<[u8; 48]>> = (0..150).map(|_| Box::new([1; 48])).collect();
+                drop(std::hint::black_box(blocks));
+            };
+            hand_back_cache_after_trim();
+            cache_some_blocks();
+            let cached = allocated_bytes().unwrap();
+            hand_back_cache_after_trim();
+            assert_eq!(
+                allocated_bytes().unwrap(),
+                cached,
+                "no trim asked: the cache stays"
+            );
+            ask_for_thread_caches();
+            hand_back_cache_after_trim();
+            let flushed = allocated_bytes().unwrap();
+            assert!(
+                flushed + 48 * 50 <= cached,
+                "{cached} -> {flushed}: the cache stayed"
+            );
+            cache_some_blocks();
+            let cached_again = allocated_bytes().unwrap();
+            hand_back_cache_after_trim();
+            assert_eq!(
+                allocated_bytes().unwrap(),
+                cached_again,
+                "flushed once per trim"
+            );
+        })
+        .join()
+        .unwrap();
     }
 
     /// The probe finds the test binary's allocator.

@@ -30,6 +30,45 @@ fn a_confirmed_unchanged_watermark_is_settled_until_anything_moves() {
 }
 
 #[test]
+fn the_room_a_burst_took_is_given_back_on_a_commit_turn_once_it_stands_mostly_empty() {
+    let mut p = PartitionOffsets::default();
+    for o in 0..10_000 {
+        p.begin(o, 0).unwrap();
+    }
+    let burst = p.in_flight.slots.capacity();
+    assert!(burst >= 10_000);
+    for o in 0..5_000 {
+        p.complete(o).unwrap();
+    }
+    p.tick();
+    assert_eq!(
+        p.in_flight.slots.capacity(),
+        burst,
+        "half still in flight: kept"
+    );
+    for o in 5_000..9_990 {
+        p.complete(o).unwrap();
+    }
+    p.tick();
+    let rest = p.in_flight.slots.capacity();
+    assert!(
+        rest < burst / 8,
+        "{burst} slots kept with 10 in flight: {rest}"
+    );
+    assert!(rest >= RESTING_SLOTS);
+    assert_eq!(
+        p.in_flight_offsets().collect::<Vec<_>>(),
+        (9_990..10_000).collect::<Vec<_>>()
+    );
+    p.tick();
+    assert_eq!(
+        p.in_flight.slots.capacity(),
+        rest,
+        "at rest: no reallocation per turn"
+    );
+}
+
+#[test]
 fn watermark_stops_at_the_first_unfinished_offset() {
     let mut p = PartitionOffsets::default();
     assert_eq!(p.watermark(), None);
