@@ -6,8 +6,8 @@
 //! A dispatcher owns a map from session id to that session's task and forwards each record to
 //! it without waiting: a session that is busy retrying keeps its records queued in its own
 //! queue, and the dispatcher moves straight on to the next session's record. Because the
-//! routing is a consistent hash of the session id, one session always lands on the same
-//! dispatcher, hence on one task.
+//! routing is a function of the session id's hash alone (`routing`), one session always lands on
+//! the same dispatcher, hence on one task.
 //!
 //! Hibernation and reaping idle sessions is done here, by the only sender, so neither can race with
 //! a send: a session with nothing queued or running for `HIBERNATE_AFTER` gives up its task and

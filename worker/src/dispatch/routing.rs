@@ -7,8 +7,9 @@
 //! same bucket, and a uniform hash spreads evenly. Not of its high bits: the dispatcher's map
 //! finds the session by the same hash, and hashbrown tags each entry with the hash's top 7 bits.
 //! Routed by those, a dispatcher's sessions would share their top bits (three of them with 8
-//! dispatchers), and a lookup would compare ids of more entries whose tags match by chance. N is fixed for a process's life (the stage's `dispatchers`), so
-//! nothing here needs a consistent hash's small movement when N changes; the jump consistent
+//! dispatchers), and a lookup would compare ids of more entries whose tags match by chance.
+//!
+//! N is fixed for a process's life (the stage's `dispatchers`), so nothing here needs a consistent hash's small movement when N changes; the jump consistent
 //! hash this replaced cost a few dependent float divisions per record (BENCHMARKS.md, *One hash
 //! per record*). It is pure, so it is tested here without I/O.
 

@@ -120,6 +120,26 @@ mod tests {
     }
 
     #[test]
+    fn a_task_about_to_wait_adds_what_it_holds_and_its_next_observation_is_seen_at_once() {
+        let h = histogram();
+        let now = Instant::now();
+        let mut b = Batched::default();
+        for _ in 0..3 {
+            b.observe(&h, 0.005, now);
+        }
+        assert_eq!(h.get_sample_count(), 1, "two held");
+        b.waiting();
+        assert_eq!(h.get_sample_count(), 3, "what was held is added before the wait");
+        b.observe(&h, 0.5, now);
+        assert_eq!(h.get_sample_count(), 4, "after a wait, as a run's first: not held");
+        b.observe(&h, 0.5, now);
+        assert_eq!(h.get_sample_count(), 4, "then held again");
+        b.waiting();
+        b.waiting();
+        assert_eq!(h.get_sample_count(), 5, "a wait with nothing held adds nothing");
+    }
+
+    #[test]
     fn nothing_held_is_lost_when_the_run_ends() {
         let h = histogram();
         let now = Instant::now();
