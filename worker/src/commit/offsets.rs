@@ -61,6 +61,8 @@ struct InFlight {
     slots: VecDeque<Slot>,
     /// Slots not done.
     unfinished: usize,
+    /// Commit turns in a row the deque has stood mostly empty (see [`InFlight::release_spare`]).
+    spare_turns: u32,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -117,14 +119,21 @@ impl InFlight {
         self.unfinished
     }
 
-    /// Gives back most of the room a burst grew the deque to, once three quarters of it or more
-    /// stand empty: a burst at the default cap leaves 64–128 KiB per partition behind, which a
-    /// worker at rest would hold for good. At most one reallocation per commit turn, and none
-    /// below [`RESTING_SLOTS`] or while the deque is a quarter full or more, so a steady load
-    /// that fills it does not shrink and grow it in turns.
+    /// Gives back most of the room a burst grew the deque to, once it has stood three quarters
+    /// empty or more for [`SPARE_TURNS`] commit turns in a row: a burst at the default cap
+    /// leaves 64–128 KiB per partition behind, which a worker at rest would hold for good. Not
+    /// sooner, and not below [`RESTING_SLOTS`]: a load whose records in flight swing (early
+    /// commits come every few milliseconds in a drain) would otherwise shrink and grow it in
+    /// turns, copying it each time.
     fn release_spare(&mut self) {
         let capacity = self.slots.capacity();
-        if capacity > RESTING_SLOTS && self.slots.len() <= capacity / 4 {
+        if capacity <= RESTING_SLOTS || self.slots.len() > capacity / 4 {
+            self.spare_turns = 0;
+            return;
+        }
+        self.spare_turns += 1;
+        if self.spare_turns >= SPARE_TURNS {
+            self.spare_turns = 0;
             self.slots
                 .shrink_to((self.slots.len() * 2).max(RESTING_SLOTS));
         }
@@ -133,6 +142,9 @@ impl InFlight {
 
 /// Slots an in-flight deque keeps room for however empty it is.
 const RESTING_SLOTS: usize = 256;
+/// Commit turns in a row an in-flight deque must stand mostly empty before its room is given
+/// back (two seconds at the default `commitIntervalMs`, when nothing else commits).
+const SPARE_TURNS: u32 = 10;
 
 /// Commit turns a sent, unanswered watermark waits before it is sent again.
 pub const RESEND_AFTER_TURNS: u32 = 5;

@@ -129,14 +129,26 @@ mod tests {
         }
         assert_eq!(h.get_sample_count(), 1, "two held");
         b.waiting();
-        assert_eq!(h.get_sample_count(), 3, "what was held is added before the wait");
+        assert_eq!(
+            h.get_sample_count(),
+            3,
+            "what was held is added before the wait"
+        );
         b.observe(&h, 0.5, now);
-        assert_eq!(h.get_sample_count(), 4, "after a wait, as a run's first: not held");
+        assert_eq!(
+            h.get_sample_count(),
+            4,
+            "after a wait, as a run's first: not held"
+        );
         b.observe(&h, 0.5, now);
         assert_eq!(h.get_sample_count(), 4, "then held again");
         b.waiting();
         b.waiting();
-        assert_eq!(h.get_sample_count(), 5, "a wait with nothing held adds nothing");
+        assert_eq!(
+            h.get_sample_count(),
+            5,
+            "a wait with nothing held adds nothing"
+        );
     }
 
     #[test]

@@ -30,7 +30,7 @@ fn a_confirmed_unchanged_watermark_is_settled_until_anything_moves() {
 }
 
 #[test]
-fn the_room_a_burst_took_is_given_back_on_a_commit_turn_once_it_stands_mostly_empty() {
+fn the_room_a_burst_took_is_given_back_once_it_has_stood_mostly_empty_for_a_while() {
     let mut p = PartitionOffsets::default();
     for o in 0..10_000 {
         p.begin(o, 0).unwrap();
@@ -40,7 +40,9 @@ fn the_room_a_burst_took_is_given_back_on_a_commit_turn_once_it_stands_mostly_em
     for o in 0..5_000 {
         p.complete(o).unwrap();
     }
-    p.tick();
+    for _ in 0..2 * SPARE_TURNS {
+        p.tick();
+    }
     assert_eq!(
         p.in_flight.slots.capacity(),
         burst,
@@ -49,6 +51,26 @@ fn the_room_a_burst_took_is_given_back_on_a_commit_turn_once_it_stands_mostly_em
     for o in 5_000..9_990 {
         p.complete(o).unwrap();
     }
+    for _ in 1..SPARE_TURNS {
+        p.tick();
+    }
+    assert_eq!(p.in_flight.slots.capacity(), burst, "not yet long enough");
+    // A swing back up starts the count again.
+    for o in 10_000..15_000 {
+        p.begin(o, 0).unwrap();
+    }
+    p.tick();
+    for o in 9_990..14_990 {
+        p.complete(o).unwrap();
+    }
+    for _ in 1..SPARE_TURNS {
+        p.tick();
+    }
+    assert_eq!(
+        p.in_flight.slots.capacity(),
+        burst,
+        "counted from the swing"
+    );
     p.tick();
     let rest = p.in_flight.slots.capacity();
     assert!(
@@ -58,9 +80,11 @@ fn the_room_a_burst_took_is_given_back_on_a_commit_turn_once_it_stands_mostly_em
     assert!(rest >= RESTING_SLOTS);
     assert_eq!(
         p.in_flight_offsets().collect::<Vec<_>>(),
-        (9_990..10_000).collect::<Vec<_>>()
+        (14_990..15_000).collect::<Vec<_>>()
     );
-    p.tick();
+    for _ in 0..2 * SPARE_TURNS {
+        p.tick();
+    }
     assert_eq!(
         p.in_flight.slots.capacity(),
         rest,
