@@ -143,8 +143,10 @@ impl InFlight {
 /// Slots an in-flight deque keeps room for however empty it is.
 const RESTING_SLOTS: usize = 256;
 /// Commit turns in a row an in-flight deque must stand mostly empty before its room is given
-/// back (two seconds at the default `commitIntervalMs`, when nothing else commits).
-const SPARE_TURNS: u32 = 10;
+/// back: 600 ms at the default `commitIntervalMs` when nothing else commits, so that a burst's
+/// room is free before its sessions are reaped and the heap trimmed (`ops::memory`); a few
+/// early commits' worth in a drain.
+const SPARE_TURNS: u32 = 3;
 
 /// Commit turns a sent, unanswered watermark waits before it is sent again.
 pub const RESEND_AFTER_TURNS: u32 = 5;
