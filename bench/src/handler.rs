@@ -131,6 +131,11 @@ impl Core {
     }
 
     /// Sessions the order check knows (the scenario's).
+    /// Bytes the harness itself keeps per session in this process (the order check's words).
+    pub fn harness_bytes(&self) -> u64 {
+        self.order.bytes()
+    }
+
     pub fn sessions(&self) -> usize {
         self.order.sessions()
     }

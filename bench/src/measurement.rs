@@ -163,6 +163,11 @@ impl OrderCheck {
         }
     }
 
+    /// The check's own memory: a word per session.
+    pub fn bytes(&self) -> u64 {
+        std::mem::size_of_val(self.sessions.as_slice()) as u64
+    }
+
     fn word(&self, sid: u32) -> Option<&AtomicU64> {
         let w = self.sessions.get(sid as usize);
         if w.is_none() {

@@ -95,9 +95,24 @@ pub struct Memory {
     pub baseline_metadata: Option<u64>,
     #[serde(default)]
     pub after_reap_metadata: Option<u64>,
+    /// The harness's own per-session memory in this process (the order check, 8 bytes a
+    /// session), allocated and written before the baseline, so resident in both readings: the
+    /// growth ratio leaves it out ([`Memory::growth`]). 0 in results older than 6 Dec.
+    #[serde(default)]
+    pub harness_bytes: u64,
     pub peak_sessions: i64,
     /// From the last record to the last session reaped.
     pub reap_secs: f64,
+}
+
+impl Memory {
+    /// RSS after the reap ÷ RSS at rest, both without the harness's own bytes: what the engine
+    /// grew by, against what it holds at rest.
+    pub fn growth(&self) -> Option<f64> {
+        let engine = |rss: u64| rss.saturating_sub(self.harness_bytes) as f64;
+        let at_rest = engine(self.baseline_rss);
+        (at_rest > 0.0).then(|| engine(self.after_reap_rss) / at_rest)
+    }
 }
 
 /// The child side: runs the system, prints `RESULT`.
@@ -130,6 +145,7 @@ pub async fn child(spec: RunSpec) -> anyhow::Result<()> {
             baseline_rss: rss().now,
             baseline_metadata: sessionflow_worker::ops::memory::metadata_bytes(),
             baseline_heap: sessionflow_worker::ops::memory::allocated_bytes(),
+            harness_bytes: core.harness_bytes(),
             ..Default::default()
         });
     }
@@ -320,5 +336,35 @@ impl ChildRun {
         let result = serde_json::from_str(&json)?;
         let _ = tokio::time::timeout(Duration::from_secs(30), self.child.wait()).await;
         Ok(result)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// P5 judges what the engine grew by: the harness's own bytes, resident in both readings,
+    /// would otherwise pad the baseline and make any growth look smaller.
+    #[test]
+    fn the_growth_leaves_the_harness_out_of_both_readings() {
+        const MIB: u64 = 1 << 20;
+        let mut m = Memory {
+            baseline_rss: 25 * MIB,
+            after_reap_rss: 28 * MIB,
+            ..Default::default()
+        };
+        assert_eq!(
+            m.growth(),
+            Some(28.0 / 25.0),
+            "older results: nothing to leave out"
+        );
+        m.harness_bytes = 8 * MIB;
+        assert_eq!(m.growth(), Some(20.0 / 17.0));
+        m.harness_bytes = 25 * MIB;
+        assert_eq!(
+            m.growth(),
+            None,
+            "nothing of the engine's at rest: no ratio"
+        );
     }
 }

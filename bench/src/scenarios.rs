@@ -306,9 +306,10 @@ pub fn all(scale: f64) -> Vec<Scenario> {
             what: "1,000,000 records, each for a session of its own, produced as fast as the \
                    broker takes them while the engine runs; sessionIdleMs 2,000. RSS at rest \
                    before the load, its peak, and at rest after every session was reaped. \
-                   sessionflow only: the baselines keep no per-session state. Both readings \
-                   include the harness's order check, 8 bytes per session allocated before \
-                   the baseline (8 MiB at 1M sessions)."
+                   sessionflow only: the baselines keep no per-session state. Every RSS \
+                   includes the harness's order check, 8 bytes per session written before the \
+                   baseline (8 MiB at 1M sessions); the ratio leaves it out of both readings \
+                   (before 6 Dec it did not, and read lower)."
                 .into(),
             partitions: 8,
             sessions: scaled(1_000_000, s),

@@ -7,6 +7,7 @@
 use crate::report::{
     fmt_int, fmt_ms, fmt_ratio, healthy_quantile, ideal_rate, mib, ratio, throughput,
 };
+use crate::run::Memory;
 use crate::scenarios::{Outcome, ScenarioId, SEED_P50_MS, SEED_RATE};
 use crate::systems::SystemKind;
 
@@ -155,9 +156,7 @@ pub fn verdicts(outcomes: &[Outcome]) -> Vec<Verdict> {
             .system(sf)
             .and_then(|s| s.paced.as_ref())
             .and_then(|m| m.result.memory.clone());
-        let r = mem
-            .as_ref()
-            .and_then(|m| ratio(Some(m.after_reap_rss as f64), Some(m.baseline_rss as f64)));
+        let r = mem.as_ref().and_then(Memory::growth);
         for (bound, issue) in [(1.2, ""), (1.1, " (issue 37)")] {
             out.push(verdict(
                 format!("P5 RSS after idle reap ≤ {bound} × baseline{issue}"),
