@@ -143,9 +143,10 @@ impl InFlight {
 /// Slots an in-flight deque keeps room for however empty it is.
 const RESTING_SLOTS: usize = 256;
 /// Commit turns in a row an in-flight deque must stand mostly empty before its room is given
-/// back: 600 ms at the default `commitIntervalMs` when nothing else commits, so that a burst's
-/// room is free before its sessions are reaped and the heap trimmed (`ops::memory`); a few
-/// early commits' worth in a drain.
+/// back: three seconds at the default `commitIntervalMs` (1 s) when nothing else commits, about
+/// when a burst's sessions are reaped and the heap is trimmed (`ops::memory`; room given back
+/// after the last trim's purge is returned by jemalloc's decay, ~10 s later); a few early
+/// commits' worth in a drain.
 const SPARE_TURNS: u32 = 3;
 
 /// Commit turns a sent, unanswered watermark waits before it is sent again.
