@@ -214,27 +214,21 @@ fn trim() {
 fn flush_thread_cache() {
     #[cfg(feature = "jemalloc")]
     if jemalloc_in_use() {
-        // SAFETY: a "flush" command reads and writes nothing through the (null) pointers.
-        let rc = unsafe {
-            tikv_jemalloc_sys::mallctl(
-                c"thread.tcache.flush".as_ptr(),
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-                0,
-            )
-        };
-        if rc != 0 {
-            tracing::debug!(rc, "jemalloc refused to flush this thread's cache");
-        }
+        mallctl_command(c"thread.tcache.flush");
     }
 }
 
 #[cfg(feature = "jemalloc")]
 fn purge_jemalloc() {
     // 4096 is MALLCTL_ARENAS_ALL: the command applies to every arena.
-    let name = c"arena.4096.purge";
-    // SAFETY: a "purge" command reads and writes nothing through the (null) pointers.
+    mallctl_command(c"arena.4096.purge");
+}
+
+/// Runs jemalloc's command `name` (a control that reads and writes no value); a refusal is
+/// only logged: the memory stays as it was.
+#[cfg(feature = "jemalloc")]
+fn mallctl_command(name: &std::ffi::CStr) {
+    // SAFETY: a command reads and writes nothing through the (null) pointers.
     let rc = unsafe {
         tikv_jemalloc_sys::mallctl(
             name.as_ptr(),
@@ -245,7 +239,7 @@ fn purge_jemalloc() {
         )
     };
     if rc != 0 {
-        tracing::debug!(rc, "jemalloc refused to purge its arenas");
+        tracing::debug!(rc, command = ?name, "jemalloc refused a command");
     }
 }
 
