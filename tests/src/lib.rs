@@ -5,6 +5,8 @@
 //! sets it). Each test makes its own topics and group with unique names and deletes the topics
 //! when it ends, so tests run in parallel against one broker.
 
+pub mod relay;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -977,7 +979,14 @@ impl ScriptCluster {
             .stderr(std::process::Stdio::inherit())
             .output()
             .expect("run scripts/kafka.sh");
-        assert!(out.status.success(), "scripts/kafka.sh start failed");
+        if !out.status.success() {
+            // Nodes it started before it gave up would outlive the test, on ports the next
+            // run of the test needs.
+            let _ = std::process::Command::new(kafka_script())
+                .args(["stop", "--port", &port.to_string()])
+                .status();
+            panic!("scripts/kafka.sh start failed");
+        }
         let stdout = String::from_utf8_lossy(&out.stdout);
         let bootstrap = stdout
             .lines()

@@ -13,6 +13,7 @@ mod fenced;
 mod handover;
 mod http_handler;
 mod isolation;
+mod late_writes;
 mod logs;
 mod membership;
 mod offset_map;

@@ -19,6 +19,15 @@
 //! letter ([`Transactions::is_poisoned`]), so that one record cannot make the partition abort
 //! for ever.
 //!
+//! A write purged while on the wire may still reach the broker, at any later time. So the abort
+//! of a transaction whose writes were purged in flight does not keep the producer: it opens a
+//! new one with the same transactional id ([`Transactions::abort`]). Its init bumps the
+//! producer epoch and aborts the old transaction with markers of the new epoch, so a late write
+//! is refused as of an older epoch. The kept producer would write the next transaction with the
+//! same epoch, which registers the same output partitions: a late write would be taken into it,
+//! and commit with it (librdkafka bumps the epoch for a write that timed out, not for one
+//! purged; `tests/tests/e2e/late_writes.rs` shows the stale output committed).
+//!
 //! A producer fenced by another one with its transactional id is done for good: its fatal error
 //! is noted per partition (`output::fenced`), and the loop gives that partition up
 //! ([`Transactions::give_up`]) instead of aborting, until it reopens it.
@@ -150,6 +159,9 @@ pub struct Transactions<C: ClientContext + Clone + 'static> {
     strikes: Mutex<HashMap<Partition, (Offset, u32)>>,
     /// Records whose next write is a dead letter.
     poisoned: Mutex<HashSet<(Partition, Offset)>>,
+    /// Partitions whose producer had writes purged in flight since its transaction began: its
+    /// abort opens a new producer (see the module's documentation).
+    purged_in_flight: Mutex<HashSet<Partition>>,
 }
 
 fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -172,6 +184,7 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
             epochs: Mutex::default(),
             strikes: Mutex::default(),
             poisoned: Mutex::default(),
+            purged_in_flight: Mutex::default(),
         }
     }
 
@@ -282,7 +295,7 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
     }
 
     /// Opens `partition`'s producer: init (fencing any older owner's, and any other producer
-    /// with its transactional id) and begin. Blocking.
+    /// with its transactional id, and aborting what that one left open) and begin. Blocking.
     pub fn open(&self, partition: Partition) -> KafkaResult<()> {
         let id = transactional_id(&self.group, &self.topic, partition);
         let mut config = self.config.clone();
@@ -337,11 +350,12 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
         // the lock every write takes.
         let producer = self.producers().remove(&partition);
         if let Some(producer) = producer {
-            producer.purge(rdkafka::producer::PurgeConfig::default().queue().inflight());
+            purge_all(&producer);
         }
     }
 
     fn forget(&self, partition: Partition) {
+        locked(&self.purged_in_flight).remove(&partition);
         locked(&self.doomed).remove(&partition);
         locked(&self.epochs).remove(&partition);
         locked(&self.strikes).remove(&partition);
@@ -395,7 +409,8 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
         for p in doomed {
             if let Some(producer) = producers.get(&p) {
                 if producer.in_flight_count() > 0 {
-                    producer.purge(rdkafka::producer::PurgeConfig::default().queue().inflight());
+                    locked(&self.purged_in_flight).insert(p);
+                    purge_all(producer);
                 }
             }
         }
@@ -439,18 +454,39 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
         })
     }
 
-    /// Aborts `partition`'s open transaction and begins the next, keeping the producer (a
-    /// rewind). Call under [`Transactions::exclusive`]. Blocking.
+    /// Aborts `partition`'s open transaction and begins the next (a rewind). Call under
+    /// [`Transactions::exclusive`]. Blocking.
+    ///
+    /// The producer is kept, unless writes of the transaction were purged in flight: then a
+    /// new one takes its place, whose init aborts the transaction with a new epoch (see the
+    /// module's documentation). The old one is dropped first, without an abort of its own,
+    /// which would end the transaction with the old epoch. If the new one cannot be opened,
+    /// the partition has no producer, and the error is the abort's.
     pub fn abort(&self, partition: Partition) -> KafkaResult<()> {
         let Some(producer) = self.producer(partition) else {
             return Err(KafkaError::MessageProduction(RDKafkaErrorCode::State));
         };
-        producer.abort_transaction(CALL_TIMEOUT)?;
-        producer.begin_transaction()
+        if !locked(&self.purged_in_flight).remove(&partition) {
+            producer.abort_transaction(CALL_TIMEOUT)?;
+            return producer.begin_transaction();
+        }
+        drop(producer);
+        drop(self.producers().remove(&partition));
+        tracing::info!(
+            partition,
+            "writes of the aborted transaction were purged in flight: a new producer with a \
+             new epoch takes over, so that none of them can land in the next transaction"
+        );
+        self.open(partition)
     }
 
     /// Aborts `partition`'s open transaction (what it wrote since its last commit is never
     /// visible to read_committed readers) and closes its producer.
+    ///
+    /// Writes purged in flight, if any, may still land after this abort, with its epoch, when
+    /// no transaction of theirs is open any more; the partition's next owner bumps the epoch
+    /// when it opens its producer. `tests/tests/e2e/late_writes.rs` shows such a write kept out
+    /// of the next owner's transaction on Apache Kafka 4.1.
     pub fn abort_and_close(&self, partition: Partition) {
         self.forget(partition);
         if let Some(producer) = self.producers().remove(&partition) {
@@ -469,9 +505,10 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
         for (p, producer) in self.producers().iter() {
             if producer.in_flight_count() > 0 {
                 gave_up.push(*p);
-                producer.purge(rdkafka::producer::PurgeConfig::default().queue().inflight());
+                purge_all(producer);
             }
         }
+        locked(&self.purged_in_flight).extend(gave_up.iter().copied());
         for p in gave_up {
             let doom = Doom {
                 reason: AbortReason::Fence,
@@ -489,6 +526,11 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
             self.abort_and_close(p);
         }
     }
+}
+
+/// Gives up every write of `producer` not yet acknowledged, queued or on the wire.
+fn purge_all<C: ClientContext + 'static>(producer: &FutureProducer<C>) {
+    producer.purge(rdkafka::producer::PurgeConfig::default().queue().inflight());
 }
 
 /// `call` on each of `items`, each on a scoped thread of its own (the first on this one), all

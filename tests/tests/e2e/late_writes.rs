@@ -1,0 +1,267 @@
+//! A write purged while on the wire can still reach the broker, and an `exactlyOnce` stage must
+//! not let it into a transaction that commits.
+//!
+//! The membership fence and a leaving partition purge their producers' writes, in flight
+//! included (`Transactions::purge`): librdkafka answers them as purged at once, but a request
+//! already sent is not called back; the broker stores it whenever it arrives. The partition's
+//! transaction is then doomed, and the consumer loop aborts it and replays the partition. If
+//! the abort kept the producer (same producer id and epoch — librdkafka bumps the epoch for a
+//! timed-out write, not for a purged one), the late write would arrive in the *next*
+//! transaction, which has registered the same output partition, and commit with it: the
+//! replayed record's output twice, or the stale one in place of the new (its sequence number
+//! taken). A new producer with the same transactional id bumps the epoch, and its init's
+//! abort writes the markers with it: the late write is refused as of an older epoch.
+//!
+//! The broker is started for the test with an advertised address where a relay
+//! (`sessionflow_tests::relay`) holds the produce requests: a write is sent and on the wire,
+//! and reaches the broker only when the test says, after the abort and the next write.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::{ClientContext, DefaultClientContext};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::RDKafkaErrorCode;
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use sessionflow_tests::relay::Relay;
+use sessionflow_tests::{unique, wait_until, ScriptCluster};
+use sessionflow_tools::verify::read_topic;
+use sessionflow_worker::config::{
+    EXACTLY_ONCE_MESSAGE_TIMEOUT_MS, EXACTLY_ONCE_TRANSACTION_TIMEOUT_MS,
+};
+use sessionflow_worker::output::producer::producer_config;
+use sessionflow_worker::output::transactions::{AbortReason, Doom, Transactions};
+
+/// Ports of this test's broker: 19530 … 19533, the relay on 19533, the address the broker
+/// advertises (the test broker uses 9092 …, chaos 19300 …, the SASL_SSL test 19440 …, the
+/// truncation test 19460 …, metrics ports 19480 … 19491, the 3-node exactly-once test
+/// 19500 … 19510, the transaction probe test 19520 … 19527).
+const PORT: u16 = 19530;
+const WAIT: Duration = Duration::from_secs(60);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_purged_on_the_wire_that_lands_late_is_never_committed() {
+    // The relay first: the script reaches the broker at its advertised address to see it ready.
+    let relay = Relay::start(
+        &format!("127.0.0.1:{}", PORT + 3),
+        &format!("127.0.0.1:{PORT}"),
+    )
+    .await;
+    let cluster = tokio::task::block_in_place(|| ScriptCluster::start(PORT, &["--proxied"]));
+
+    // The partition stays: the loop aborts and replays it, its producer writes the replay.
+    for purge in [Purge::ByTheFence, Purge::ByACommitWaitingForIt] {
+        let stage = Stage::create(&cluster.bootstrap, "late-stay").await;
+        let transactions = stage.transactions();
+        stage
+            .write_purged_on_the_wire(&relay, &transactions, purge)
+            .await;
+        tokio::task::block_in_place(|| transactions.abort(0)).expect("abort");
+        stage.replay_and_commit(&relay, &transactions).await;
+        assert_eq!(
+            stage.committed_output(),
+            ["fresh"],
+            "record 0's output, once: the write purged {purge:?} must not commit with the \
+             replay's transaction"
+        );
+    }
+
+    // The partition leaves: its transaction is aborted and its producer closed; the next
+    // owner's writes the replay.
+    let stage = Stage::create(&cluster.bootstrap, "late-leave").await;
+    let transactions = stage.transactions();
+    stage
+        .write_purged_on_the_wire(&relay, &transactions, Purge::ByTheFence)
+        .await;
+    tokio::task::block_in_place(|| transactions.abort_and_close(0));
+    let next_owner = stage.transactions();
+    stage.replay_and_commit(&relay, &next_owner).await;
+    assert_eq!(
+        stage.committed_output(),
+        ["fresh"],
+        "record 0's output, once: the purged write must not commit with the next owner's \
+         transaction"
+    );
+}
+
+/// What gives a write on the wire up.
+#[derive(Debug, Clone, Copy)]
+enum Purge {
+    /// The membership fence (or a stop, or a lost assignment): `StageProducer::purge`.
+    ByTheFence,
+    /// A commit waiting for the barrier, while a partition's transaction is doomed.
+    ByACommitWaitingForIt,
+}
+
+/// One partition of a stage's input and output, on the test's broker.
+struct Stage {
+    bootstrap: String,
+    input: String,
+    output: String,
+    group: String,
+}
+
+impl Stage {
+    async fn create(bootstrap: &str, name: &str) -> Self {
+        let stage = Self {
+            bootstrap: bootstrap.to_string(),
+            input: unique(&format!("{name}-in")),
+            output: unique(&format!("{name}-out")),
+            group: unique(name),
+        };
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", bootstrap)
+            .create()
+            .expect("admin client");
+        let created = admin
+            .create_topics(
+                &[
+                    NewTopic::new(&stage.input, 1, TopicReplication::Fixed(1)),
+                    NewTopic::new(&stage.output, 1, TopicReplication::Fixed(1)),
+                ],
+                &AdminOptions::new().operation_timeout(Some(Duration::from_secs(30))),
+            )
+            .await
+            .expect("create topics");
+        assert!(created.iter().all(|r| r.is_ok()), "{created:?}");
+        stage
+    }
+
+    /// A worker's transactional producers, configured as the worker configures them, with
+    /// partition 0's open.
+    fn transactions(&self) -> Arc<Transactions<DefaultClientContext>> {
+        let mut config = producer_config(&self.bootstrap, &[]);
+        config
+            .set(
+                "message.timeout.ms",
+                EXACTLY_ONCE_MESSAGE_TIMEOUT_MS.to_string(),
+            )
+            .set(
+                "transaction.timeout.ms",
+                EXACTLY_ONCE_TRANSACTION_TIMEOUT_MS.to_string(),
+            );
+        let transactions =
+            Transactions::new(config, &self.group, &self.input, DefaultClientContext);
+        tokio::task::block_in_place(|| transactions.open(0)).expect("open partition 0's producer");
+        Arc::new(transactions)
+    }
+
+    /// Input record 0's write goes on the wire and is held there, and `purge` gives it up:
+    /// its transaction is doomed.
+    async fn write_purged_on_the_wire(
+        &self,
+        relay: &Relay,
+        transactions: &Arc<Transactions<DefaultClientContext>>,
+        purge: Purge,
+    ) {
+        relay.hold_produce();
+        let seen = relay.produce_requests_seen();
+        // The write's share of the commit barrier, held until it is answered (as `settle` does).
+        let share = transactions.share().await;
+        let stale = send(
+            &transactions.producer(0).expect("open"),
+            &self.output,
+            "stale",
+        );
+        let answered = tokio::spawn(async move {
+            let answer = stale.await.expect("answered").map(|_| ());
+            drop(share);
+            answer
+        });
+        wait_until(WAIT, || relay.produce_requests_seen() == seen + 1)
+            .await
+            .expect("the write reaches the wire");
+        let reason = match purge {
+            Purge::ByTheFence => {
+                transactions.purge();
+                AbortReason::Fence
+            }
+            Purge::ByACommitWaitingForIt => {
+                // Record 1's write of the same transaction was refused; a commit then waits
+                // for the barrier, purging the doomed partition's writes as it waits.
+                let refused = Doom {
+                    reason: AbortReason::Write,
+                    record: Some(1),
+                    epoch: Some(0),
+                };
+                transactions.doom(0, refused);
+                let barrier = tokio::task::block_in_place(|| transactions.exclusive(WAIT));
+                drop(barrier.expect("the barrier, once the purged write has let its share go"));
+                AbortReason::Write
+            }
+        };
+        let purged = answered.await.unwrap().unwrap_err().0;
+        assert_eq!(
+            purged.rdkafka_error_code(),
+            Some(RDKafkaErrorCode::PurgeInflight),
+            "the write was purged in flight"
+        );
+        let doom = transactions.doom_of(0).expect("the transaction is doomed");
+        assert_eq!(doom.reason, reason);
+    }
+
+    /// Record 0 replayed: its new write goes on the wire behind the purged one; then the wire
+    /// delivers both, and the replay's transaction commits with record 0's offset.
+    async fn replay_and_commit(
+        &self,
+        relay: &Relay,
+        transactions: &Transactions<DefaultClientContext>,
+    ) {
+        let seen = relay.produce_requests_seen();
+        let fresh = send(
+            &transactions.producer(0).expect("open"),
+            &self.output,
+            "fresh",
+        );
+        wait_until(WAIT, || relay.produce_requests_seen() == seen + 1)
+            .await
+            .expect("the replay's write reaches the wire");
+        relay.release();
+        fresh
+            .await
+            .expect("answered")
+            .expect("the replay's write is stored");
+        let member: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &self.bootstrap)
+            .set("group.id", &self.group)
+            .create()
+            .expect("consumer");
+        let metadata = Arc::new(member.group_metadata().expect("group metadata"));
+        let mut offsets = TopicPartitionList::new();
+        offsets
+            .add_partition_offset(&self.input, 0, Offset::Offset(1))
+            .unwrap();
+        tokio::task::block_in_place(|| transactions.commit(0, &offsets, &metadata))
+            .expect("the replay's transaction commits");
+        tokio::task::block_in_place(|| transactions.abort_all());
+    }
+
+    /// The output's committed records' values.
+    fn committed_output(&self) -> Vec<String> {
+        let committed = tokio::task::block_in_place(|| {
+            read_topic(&self.bootstrap, &self.output, None, Duration::from_secs(30))
+        })
+        .expect("read the output");
+        committed
+            .iter()
+            .map(|r| String::from_utf8_lossy(&r.value).into_owned())
+            .collect()
+    }
+}
+
+/// Sends `value` to partition 0 of `topic`; the answer comes with the returned future.
+fn send<C: ClientContext + 'static>(
+    producer: &FutureProducer<C>,
+    topic: &str,
+    value: &str,
+) -> DeliveryFuture {
+    let record = FutureRecord::<(), str>::to(topic)
+        .partition(0)
+        .payload(value);
+    producer
+        .send_result(record)
+        .map_err(|(e, _)| e)
+        .expect("the write is queued")
+}
