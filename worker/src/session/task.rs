@@ -337,13 +337,10 @@ impl<H: Handler> SessionTask<H> {
                     let settler = self.ctx.settler();
                     let settling = settler.settle(&record, outcome, Some(&mut watch), started);
                     tokio::pin!(settling);
-                    match futures::poll!(settling.as_mut()) {
-                        Poll::Ready(settled) => settled,
+                    match ready_at_once(settling.as_mut(), ok_seconds).await {
+                        Some(settled) => settled,
                         // A write awaiting the broker, or the membership fence.
-                        Poll::Pending => {
-                            ok_seconds.waiting();
-                            settling.await
-                        }
+                        None => settling.await,
                     }
                 }
                 None => {
@@ -381,30 +378,26 @@ impl<H: Handler> SessionTask<H> {
             tokio::pin!(call);
             // A handler that is done at its first poll (most are, for a cached or CPU-only step)
             // never arms the stuck timer or registers with the abort token, which would cost a
-            // timer-wheel entry per record. One that is not makes the task wait: what the run
-            // holds of the handler times goes to the histogram first.
-            let result = match futures::poll!(call.as_mut()) {
-                Poll::Ready(r) => r,
-                Poll::Pending => {
-                    ok_seconds.waiting();
-                    loop {
-                        tokio::select! {
-                            biased;
-                            r = &mut call => break r,
-                            _ = ctx.abort.cancelled() => return None,
-                            _ = watch.expired(), if watch.armed() => {
-                                if watch.fire(record, &ctx.metrics, first_start) == Verdict::DeadLetter {
-                                    return Some(Outcome::DeadLetter {
-                                        reason: DlqReason::Stuck,
-                                        error: format!("handler did not finish within {:?} (attempt {attempt})",
-                                            ctx.stuck.timeout),
-                                        attempts: attempt,
-                                    });
-                                }
+            // timer-wheel entry per record.
+            let result = match ready_at_once(call.as_mut(), ok_seconds).await {
+                Some(r) => r,
+                None => loop {
+                    tokio::select! {
+                        biased;
+                        r = &mut call => break r,
+                        _ = ctx.abort.cancelled() => return None,
+                        _ = watch.expired(), if watch.armed() => {
+                            if watch.fire(record, &ctx.metrics, first_start) == Verdict::DeadLetter {
+                                return Some(Outcome::DeadLetter {
+                                    reason: DlqReason::Stuck,
+                                    error: format!("handler did not finish within {:?} (attempt {attempt})",
+                                        ctx.stuck.timeout),
+                                    attempts: attempt,
+                                });
                             }
                         }
                     }
-                }
+                },
             };
             let ended = Instant::now();
             let seconds = ended.saturating_duration_since(started).as_secs_f64();
@@ -481,6 +474,22 @@ impl<H: Handler> SessionTask<H> {
                     "handler panicked: {message}"
                 )))
             }
+        }
+    }
+}
+
+/// `future`'s answer if it has one at its first poll. If not, the task is about to wait (a
+/// handler still working, a write awaiting the broker): what `ok_seconds` holds of the run's
+/// handler times goes to the histogram first (see `Batched::waiting`).
+async fn ready_at_once<F: Future>(
+    future: std::pin::Pin<&mut F>,
+    ok_seconds: &mut Batched,
+) -> Option<F::Output> {
+    match futures::poll!(future) {
+        Poll::Ready(output) => Some(output),
+        Poll::Pending => {
+            ok_seconds.waiting();
+            None
         }
     }
 }
