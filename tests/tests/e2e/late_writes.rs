@@ -12,9 +12,13 @@
 //! taken). A new producer with the same transactional id bumps the epoch, and its init's
 //! abort writes the markers with it: the late write is refused as of an older epoch.
 //!
-//! The broker is started for the test with an advertised address where a relay
+//! Each test starts its broker with an advertised address where a relay
 //! (`sessionflow_tests::relay`) holds the produce requests: a write is sent and on the wire,
-//! and reaches the broker only when the test says, after the abort and the next write.
+//! and reaches the broker only when the test says, after the abort and the next write. The
+//! first drives `Transactions` itself (each purge, and a partition that leaves); the second
+//! a worker, whose revocation purges. With the producer kept by the abort, the first read
+//! the stale output committed beside the replay's, and the second 49 duplicates in the
+//! read_committed output.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,7 +30,10 @@ use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use sessionflow_tests::relay::Relay;
-use sessionflow_tests::{unique, wait_until, ScriptCluster};
+use sessionflow_tests::{
+    unique, verify_on, wait_committed_to_end_on, wait_until, ScriptCluster, Topics, WorkerProcess,
+};
+use sessionflow_tools::loadgen::{self, LoadgenOptions, SessionChoice};
 use sessionflow_tools::verify::read_topic;
 use sessionflow_worker::config::{
     EXACTLY_ONCE_MESSAGE_TIMEOUT_MS, EXACTLY_ONCE_TRANSACTION_TIMEOUT_MS,
@@ -264,4 +271,118 @@ fn send<C: ClientContext + 'static>(
         .send_result(record)
         .map_err(|(e, _)| e)
         .expect("the write is queued")
+}
+
+/// Ports of the worker-level test's broker: 19540 … 19543, the relay on 19543.
+const WORKER_PORT: u16 = 19540;
+const RECORDS: u64 = 2_000;
+
+/// The same through a worker: an `exactlyOnce` worker whose writes are all on the wire when a
+/// second worker joins. Its revocation's write fence runs out and purges every producer with
+/// writes out; the partitions it keeps are doomed, aborted and replayed, each by a new
+/// producer; the relay then delivers the purged writes. The read_committed output must hold
+/// every record once: a late write taken into a kept partition's next transaction would be a
+/// duplicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exactly_once_worker_whose_revocation_purges_writes_on_the_wire_commits_none_of_them() {
+    let relay = Relay::start(
+        &format!("127.0.0.1:{}", WORKER_PORT + 3),
+        &format!("127.0.0.1:{WORKER_PORT}"),
+    )
+    .await;
+    let cluster = tokio::task::block_in_place(|| ScriptCluster::start(WORKER_PORT, &["--proxied"]));
+    let topics = Topics {
+        input: unique("late-worker-in"),
+        output: unique("late-worker-out"),
+        dlq: unique("late-worker-dlq"),
+        group: unique("late-worker"),
+    };
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", &cluster.bootstrap)
+        .create()
+        .expect("admin client");
+    let created = admin
+        .create_topics(
+            &[
+                NewTopic::new(&topics.input, 4, TopicReplication::Fixed(1)),
+                NewTopic::new(&topics.output, 4, TopicReplication::Fixed(1)),
+                NewTopic::new(&topics.dlq, 1, TopicReplication::Fixed(1)),
+            ],
+            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(30))),
+        )
+        .await
+        .expect("create topics");
+    assert!(created.iter().all(|r| r.is_ok()), "{created:?}");
+    let load = LoadgenOptions {
+        choice: SessionChoice::RoundRobin,
+        ..LoadgenOptions::new(&cluster.bootstrap, &topics.input, RECORDS, 100)
+    };
+    loadgen::run(&load).await.expect("loadgen");
+
+    // Cooperative, so that the first worker keeps partitions through the rebalance; a short
+    // rebalance timeout, so that its write fence runs out within the test (8.5 s); commits far
+    // apart, so that no commit waits for the barrier while the writes are held.
+    let yaml = format!(
+        "{}  max.poll.interval.ms: '15000'\n",
+        topics
+            .stage_yaml_on(
+                &cluster.bootstrap,
+                "{seed: 5}",
+                "delivery: exactlyOnce\nrebalance: {strategy: cooperative, drainTimeoutMs: 500}",
+            )
+            .replace("commitIntervalMs: 200", "commitIntervalMs: 60000"),
+    );
+    relay.hold_produce();
+    let log = std::env::temp_dir().join(unique("late-worker") + ".log");
+    let mut first = WorkerProcess::spawn_logging_at(
+        &yaml,
+        &[],
+        std::fs::File::create(&log).expect("log file").into(),
+        "sessionflow_worker=info",
+    );
+    first
+        .wait_for_log(&log, "partition assigned", "the first assignment", WAIT)
+        .await;
+    wait_until(WAIT, || relay.produce_requests_seen() > 0)
+        .await
+        .expect("the first worker's writes reach the wire");
+    let second = WorkerProcess::spawn(&yaml);
+    first
+        .wait_for_log(
+            &log,
+            "still unacknowledged at the fence's deadline",
+            "the revocation's purge",
+            Duration::from_secs(120),
+        )
+        .await;
+    first
+        .wait_for_log(
+            &log,
+            "new epoch takes over",
+            "a kept partition's abort with a new producer",
+            Duration::from_secs(120),
+        )
+        .await;
+    // The kept partitions' replays go on the wire too, behind the purged writes.
+    let seen = relay.produce_requests_seen();
+    wait_until(WAIT, || relay.produce_requests_seen() > seen)
+        .await
+        .expect("a replay's write reaches the wire");
+    relay.release();
+
+    wait_committed_to_end_on(&cluster.bootstrap, &topics, Duration::from_secs(180))
+        .await
+        .unwrap_or_else(|(committed, end)| panic!("committed {committed:?} never reached {end:?}"));
+    let report = tokio::task::block_in_place(|| verify_on(&cluster.bootstrap, &topics));
+    let _ = first.terminate();
+    let _ = second.terminate();
+    let _ = std::fs::remove_file(&log);
+    eprintln!("{report}");
+    assert_eq!(report.lost, 0, "{report}");
+    assert_eq!(
+        report.duplicates, 0,
+        "a purged write committed late:\n{report}"
+    );
+    assert_eq!(report.order_violations, 0, "{report}");
+    assert_eq!(report.records + report.dlq_records, RECORDS, "{report}");
 }
