@@ -8,11 +8,14 @@
 //! not hold one request kind while the transaction coordinator's requests go through, so this
 //! relay reads the client's bytes as Kafka frames (a 4-byte length, then the request, whose
 //! first two bytes are its API key) and only ever forwards them whole and in order. It never
-//! answers, changes or drops anything: it is a wire with a valve, not a broker.
+//! answers, changes or drops anything: it is a wire with a valve, not a broker. Other kinds of
+//! request can be held the same way (the group coordinator's offset requests: a coordinator
+//! that stops answering).
 //!
 //! Clients reach it as the node's advertised address (`scripts/kafka.sh start --proxied`
 //! advertises port P+3 for the node on P).
 
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -21,12 +24,15 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 use tokio::task::AbortHandle;
 
-/// Kafka's API key of a Produce request.
-const PRODUCE: i16 = 0;
+/// Kafka's API keys of the requests tests hold.
+pub const PRODUCE: i16 = 0;
+pub const OFFSET_COMMIT: i16 = 8;
+pub const OFFSET_FETCH: i16 = 9;
 
 /// The relay: forwards every connection made to its address to the node's; stopped when dropped.
 pub struct Relay {
-    holding: watch::Sender<bool>,
+    /// The API keys of the requests held now.
+    holding: watch::Sender<HashSet<i16>>,
     produce_seen: Arc<AtomicUsize>,
     /// How many produce requests were forwarded: the n-th (from 0) waits until n were.
     forwarded: watch::Sender<usize>,
@@ -39,7 +45,7 @@ impl Relay {
         let listener = TcpListener::bind(listen)
             .await
             .unwrap_or_else(|e| panic!("the relay cannot listen on {listen}: {e}"));
-        let (holding, _) = watch::channel(false);
+        let (holding, _) = watch::channel(HashSet::new());
         let (forwarded, _) = watch::channel(0);
         let relay = Self {
             holding,
@@ -75,16 +81,17 @@ impl Relay {
         relay
     }
 
-    /// From now on, a produce request is held before it reaches the node (and so is whatever
-    /// its connection sends after it), until [`Relay::release`].
-    pub fn hold_produce(&self) {
-        self.holding.send_replace(true);
+    /// From now on, a request with one of these API keys is held before it reaches the node
+    /// (and so is whatever its connection sends after it), until [`Relay::release`].
+    pub fn hold(&self, api_keys: &[i16]) {
+        self.holding.send_modify(|held| held.extend(api_keys));
     }
 
-    /// Forwards what is held and holds nothing more. The produce requests go on in the order
-    /// the clients sent them, over all connections.
-    pub fn release(&self) {
-        self.holding.send_replace(false);
+    /// Forwards what is held of these API keys, and holds them no more. The produce requests go
+    /// on in the order the clients sent them, over all connections.
+    pub fn release(&self, api_keys: &[i16]) {
+        self.holding
+            .send_modify(|held| held.retain(|k| !api_keys.contains(k)));
     }
 
     /// How many produce requests clients have sent through the relay so far (held or not).
@@ -103,15 +110,16 @@ impl Drop for Relay {
 
 /// What orders the produce requests of every connection.
 struct Order {
-    holding: watch::Receiver<bool>,
+    holding: watch::Receiver<HashSet<i16>>,
     /// Produce requests read so far: each one's number.
     seen: Arc<AtomicUsize>,
     forwarded: watch::Sender<usize>,
 }
 
 /// Relays one connection: the client's frames are read as they come (so that every request it
-/// has sent is counted) and written to the node in order, a produce request only when the relay
-/// does not hold and every earlier one is forwarded; the node's bytes go back as they are.
+/// has sent is counted) and written to the node in order, each when the relay does not hold its
+/// kind, and a produce request only once every earlier one is forwarded; the node's bytes go
+/// back as they are.
 fn connect(client: TcpStream, upstream: TcpStream, order: Order) -> [AbortHandle; 3] {
     let Order {
         mut holding,
@@ -147,11 +155,17 @@ fn connect(client: TcpStream, upstream: TcpStream, order: Order) -> [AbortHandle
         // that the other connections' later ones go on.
         let mut broken = false;
         while let Some((frame, number)) = queued.recv().await {
+            let key = api_key(&frame);
+            if holding
+                .wait_for(|held| key.is_none_or(|k| !held.contains(&k)))
+                .await
+                .is_err()
+            {
+                return; // the relay is gone
+            }
             if let Some(n) = number {
-                if holding.wait_for(|held| !*held).await.is_err()
-                    || turn.wait_for(|done| *done == n).await.is_err()
-                {
-                    return; // the relay is gone
+                if turn.wait_for(|done| *done == n).await.is_err() {
+                    return;
                 }
             }
             broken = broken || to_node.write_all(&frame).await.is_err();

@@ -15,10 +15,10 @@
 //! Each test starts its broker with an advertised address where a relay
 //! (`sessionflow_tests::relay`) holds the produce requests: a write is sent and on the wire,
 //! and reaches the broker only when the test says, after the abort and the next write. The
-//! first drives `Transactions` itself (each purge, and a partition that leaves); the second
-//! a worker, whose revocation purges. With the producer kept by the abort, the first read
-//! the stale output committed beside the replay's, and the second 49 duplicates in the
-//! read_committed output.
+//! first drives `Transactions` itself (each purge, and a partition that leaves); the others a
+//! worker, whose revocation's write fence, or membership fence, purges. With the producer
+//! kept by the abort, the first read the stale output committed beside the replay's, and the
+//! worker tests 49 and 100 duplicates in the read_committed output.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,7 +29,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
-use sessionflow_tests::relay::Relay;
+use sessionflow_tests::relay::{Relay, OFFSET_COMMIT, OFFSET_FETCH, PRODUCE};
 use sessionflow_tests::{
     unique, verify_on, wait_committed_to_end_on, wait_until, ScriptCluster, Topics, WorkerProcess,
 };
@@ -163,7 +163,7 @@ impl Stage {
         transactions: &Arc<Transactions<DefaultClientContext>>,
         purge: Purge,
     ) {
-        relay.hold_produce();
+        relay.hold(&[PRODUCE]);
         let seen = relay.produce_requests_seen();
         // The write's share of the commit barrier, held until it is answered (as `settle` does).
         let share = transactions.share().await;
@@ -225,7 +225,7 @@ impl Stage {
         wait_until(WAIT, || relay.produce_requests_seen() == seen + 1)
             .await
             .expect("the replay's write reaches the wire");
-        relay.release();
+        relay.release(&[PRODUCE]);
         fresh
             .await
             .expect("answered")
@@ -273,8 +273,10 @@ fn send<C: ClientContext + 'static>(
         .expect("the write is queued")
 }
 
-/// Ports of the worker-level test's broker: 19540 … 19543, the relay on 19543.
-const WORKER_PORT: u16 = 19540;
+/// Ports of the worker tests' brokers: 19540 … 19543 and 19550 … 19553, each relay on the
+/// last.
+const REVOCATION_PORT: u16 = 19540;
+const MEMBERSHIP_PORT: u16 = 19550;
 const RECORDS: u64 = 2_000;
 
 /// The same through a worker: an `exactlyOnce` worker whose writes are all on the wire when a
@@ -285,104 +287,182 @@ const RECORDS: u64 = 2_000;
 /// duplicate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_exactly_once_worker_whose_revocation_purges_writes_on_the_wire_commits_none_of_them() {
-    let relay = Relay::start(
-        &format!("127.0.0.1:{}", WORKER_PORT + 3),
-        &format!("127.0.0.1:{WORKER_PORT}"),
+    // Cooperative, so that the first worker keeps partitions through the rebalance; a short
+    // rebalance timeout, so that its write fence runs out within the test (8.5 s).
+    let mut run = WorkerRun::start(
+        REVOCATION_PORT,
+        "late-revoke",
+        "rebalance: {strategy: cooperative, drainTimeoutMs: 500}",
+        (
+            "max.poll.interval.ms: '300000'",
+            "max.poll.interval.ms: '15000'",
+        ),
     )
     .await;
-    let cluster = tokio::task::block_in_place(|| ScriptCluster::start(WORKER_PORT, &["--proxied"]));
-    let topics = Topics {
-        input: unique("late-worker-in"),
-        output: unique("late-worker-out"),
-        dlq: unique("late-worker-dlq"),
-        group: unique("late-worker"),
-    };
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", &cluster.bootstrap)
-        .create()
-        .expect("admin client");
-    let created = admin
-        .create_topics(
-            &[
-                NewTopic::new(&topics.input, 4, TopicReplication::Fixed(1)),
-                NewTopic::new(&topics.output, 4, TopicReplication::Fixed(1)),
-                NewTopic::new(&topics.dlq, 1, TopicReplication::Fixed(1)),
-            ],
-            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(30))),
-        )
-        .await
-        .expect("create topics");
-    assert!(created.iter().all(|r| r.is_ok()), "{created:?}");
-    let load = LoadgenOptions {
-        choice: SessionChoice::RoundRobin,
-        ..LoadgenOptions::new(&cluster.bootstrap, &topics.input, RECORDS, 100)
-    };
-    loadgen::run(&load).await.expect("loadgen");
+    let second = WorkerProcess::spawn(&run.yaml);
+    run.wait_for_log(
+        "still unacknowledged at the fence's deadline",
+        "the revocation's purge",
+    )
+    .await;
+    run.replays_on_the_wire_then_release().await;
+    run.finish(vec![second]).await;
+}
 
-    // Cooperative, so that the first worker keeps partitions through the rebalance; a short
-    // rebalance timeout, so that its write fence runs out within the test (8.5 s); commits far
-    // apart, so that no commit waits for the barrier while the writes are held.
-    let yaml = format!(
-        "{}  max.poll.interval.ms: '15000'\n",
-        topics
+/// The membership fence's purge through a worker: the group coordinator's offset requests are
+/// held (the worker hears nothing from it) until the fence closes and purges the writes on the
+/// wire; then the coordinator answers again, the worker aborts and replays its partitions,
+/// each with a new producer, and the relay delivers the purged writes. The session timeout is
+/// 30 s here, so the fence closes (at 20 s of silence) well before the coordinator would drop
+/// the member, whose heartbeats wait behind the held requests on the same connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exactly_once_worker_whose_membership_fence_purges_writes_on_the_wire_commits_none_of_them(
+) {
+    let mut run = WorkerRun::start(
+        MEMBERSHIP_PORT,
+        "late-fence",
+        "",
+        ("session.timeout.ms: '6000'", "session.timeout.ms: '30000'"),
+    )
+    .await;
+    run.relay.hold(&[OFFSET_FETCH, OFFSET_COMMIT]);
+    run.wait_for_log(
+        "no answer from the group coordinator for two thirds of the session timeout",
+        "the membership fence's purge",
+    )
+    .await;
+    run.relay.release(&[OFFSET_FETCH, OFFSET_COMMIT]);
+    run.replays_on_the_wire_then_release().await;
+    run.finish(vec![]).await;
+}
+
+/// An `exactlyOnce` worker on a broker of its own behind a relay, its input produced, every
+/// write it makes held on the wire from its start.
+struct WorkerRun {
+    relay: Relay,
+    cluster: ScriptCluster,
+    topics: Topics,
+    yaml: String,
+    worker: WorkerProcess,
+    log: std::path::PathBuf,
+}
+
+impl WorkerRun {
+    /// `extra` goes into the stage config, and `setting`'s first text is replaced by its second
+    /// (a Kafka property). Commits are far apart (60 s), so that no commit waits for the
+    /// barrier while writes are held.
+    async fn start(port: u16, name: &str, extra: &str, setting: (&str, &str)) -> Self {
+        let relay = Relay::start(
+            &format!("127.0.0.1:{}", port + 3),
+            &format!("127.0.0.1:{port}"),
+        )
+        .await;
+        let cluster = tokio::task::block_in_place(|| ScriptCluster::start(port, &["--proxied"]));
+        let topics = Topics {
+            input: unique(&format!("{name}-in")),
+            output: unique(&format!("{name}-out")),
+            dlq: unique(&format!("{name}-dlq")),
+            group: unique(name),
+        };
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", &cluster.bootstrap)
+            .create()
+            .expect("admin client");
+        let created = admin
+            .create_topics(
+                &[
+                    NewTopic::new(&topics.input, 4, TopicReplication::Fixed(1)),
+                    NewTopic::new(&topics.output, 4, TopicReplication::Fixed(1)),
+                    NewTopic::new(&topics.dlq, 1, TopicReplication::Fixed(1)),
+                ],
+                &AdminOptions::new().operation_timeout(Some(Duration::from_secs(30))),
+            )
+            .await
+            .expect("create topics");
+        assert!(created.iter().all(|r| r.is_ok()), "{created:?}");
+        let load = LoadgenOptions {
+            choice: SessionChoice::RoundRobin,
+            ..LoadgenOptions::new(&cluster.bootstrap, &topics.input, RECORDS, 100)
+        };
+        loadgen::run(&load).await.expect("loadgen");
+
+        let stage = topics
             .stage_yaml_on(
                 &cluster.bootstrap,
                 "{seed: 5}",
-                "delivery: exactlyOnce\nrebalance: {strategy: cooperative, drainTimeoutMs: 500}",
+                &format!("delivery: exactlyOnce\n{extra}"),
             )
-            .replace("commitIntervalMs: 200", "commitIntervalMs: 60000"),
-    );
-    relay.hold_produce();
-    let log = std::env::temp_dir().join(unique("late-worker") + ".log");
-    let mut first = WorkerProcess::spawn_logging_at(
-        &yaml,
-        &[],
-        std::fs::File::create(&log).expect("log file").into(),
-        "sessionflow_worker=info",
-    );
-    first
-        .wait_for_log(&log, "partition assigned", "the first assignment", WAIT)
-        .await;
-    wait_until(WAIT, || relay.produce_requests_seen() > 0)
-        .await
-        .expect("the first worker's writes reach the wire");
-    let second = WorkerProcess::spawn(&yaml);
-    first
-        .wait_for_log(
-            &log,
-            "still unacknowledged at the fence's deadline",
-            "the revocation's purge",
-            Duration::from_secs(120),
-        )
-        .await;
-    first
-        .wait_for_log(
-            &log,
+            .replace("commitIntervalMs: 200", "commitIntervalMs: 60000");
+        // The `kafka:` map is the config's last section.
+        let yaml =
+            format!("{stage}  max.poll.interval.ms: '300000'\n").replace(setting.0, setting.1);
+        assert!(yaml.contains(setting.1), "{yaml}");
+        relay.hold(&[PRODUCE]);
+        let log = std::env::temp_dir().join(unique(name) + ".log");
+        let worker = WorkerProcess::spawn_logging_at(
+            &yaml,
+            &[],
+            std::fs::File::create(&log).expect("log file").into(),
+            "sessionflow_worker=info",
+        );
+        let mut run = Self {
+            relay,
+            cluster,
+            topics,
+            yaml,
+            worker,
+            log,
+        };
+        run.wait_for_log("partition assigned", "the first assignment")
+            .await;
+        wait_until(WAIT, || run.relay.produce_requests_seen() > 0)
+            .await
+            .expect("the worker's writes reach the wire");
+        run
+    }
+
+    async fn wait_for_log(&mut self, line: &str, what: &str) {
+        self.worker
+            .wait_for_log(&self.log, line, what, Duration::from_secs(120))
+            .await;
+    }
+
+    /// Once a kept partition was aborted with a new producer, and the replays' writes are on
+    /// the wire behind the purged ones, lets every write through.
+    async fn replays_on_the_wire_then_release(&mut self) {
+        self.wait_for_log(
             "new epoch takes over",
             "a kept partition's abort with a new producer",
-            Duration::from_secs(120),
         )
         .await;
-    // The kept partitions' replays go on the wire too, behind the purged writes.
-    let seen = relay.produce_requests_seen();
-    wait_until(WAIT, || relay.produce_requests_seen() > seen)
-        .await
-        .expect("a replay's write reaches the wire");
-    relay.release();
+        let seen = self.relay.produce_requests_seen();
+        wait_until(WAIT, || self.relay.produce_requests_seen() > seen)
+            .await
+            .expect("a replay's write reaches the wire");
+        self.relay.release(&[PRODUCE]);
+    }
 
-    wait_committed_to_end_on(&cluster.bootstrap, &topics, Duration::from_secs(180))
-        .await
-        .unwrap_or_else(|(committed, end)| panic!("committed {committed:?} never reached {end:?}"));
-    let report = tokio::task::block_in_place(|| verify_on(&cluster.bootstrap, &topics));
-    let _ = first.terminate();
-    let _ = second.terminate();
-    let _ = std::fs::remove_file(&log);
-    eprintln!("{report}");
-    assert_eq!(report.lost, 0, "{report}");
-    assert_eq!(
-        report.duplicates, 0,
-        "a purged write committed late:\n{report}"
-    );
-    assert_eq!(report.order_violations, 0, "{report}");
-    assert_eq!(report.records + report.dlq_records, RECORDS, "{report}");
+    /// Everything committed; the read_committed output holds every record once, in order.
+    async fn finish(self, others: Vec<WorkerProcess>) {
+        let bootstrap = &self.cluster.bootstrap;
+        wait_committed_to_end_on(bootstrap, &self.topics, Duration::from_secs(180))
+            .await
+            .unwrap_or_else(|(committed, end)| {
+                panic!("committed {committed:?} never reached {end:?}")
+            });
+        let report = tokio::task::block_in_place(|| verify_on(bootstrap, &self.topics));
+        let _ = self.worker.terminate();
+        for other in others {
+            let _ = other.terminate();
+        }
+        let _ = std::fs::remove_file(&self.log);
+        eprintln!("{report}");
+        assert_eq!(report.lost, 0, "{report}");
+        assert_eq!(
+            report.duplicates, 0,
+            "a purged write committed late:\n{report}"
+        );
+        assert_eq!(report.order_violations, 0, "{report}");
+        assert_eq!(report.records + report.dlq_records, RECORDS, "{report}");
+    }
 }
