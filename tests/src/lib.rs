@@ -997,6 +997,27 @@ impl ScriptCluster {
         Self { port, bootstrap }
     }
 
+    /// Creates `topics` (each a name and its partitions) on this cluster, one replica each.
+    pub async fn create_topics(&self, topics: &[(&str, i32)]) {
+        use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+        let admin: AdminClient<rdkafka::client::DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", &self.bootstrap)
+            .create()
+            .expect("admin client");
+        let new: Vec<NewTopic> = topics
+            .iter()
+            .map(|(name, partitions)| NewTopic::new(name, *partitions, TopicReplication::Fixed(1)))
+            .collect();
+        let created = admin
+            .create_topics(
+                &new,
+                &AdminOptions::new().operation_timeout(Some(Duration::from_secs(30))),
+            )
+            .await
+            .expect("create topics");
+        assert!(created.iter().all(|r| r.is_ok()), "{created:?}");
+    }
+
     /// The folder with the CA, and `client.properties`, of a `--sasl-ssl` cluster.
     pub fn secure_dir(&self) -> PathBuf {
         let out = std::process::Command::new(kafka_script())

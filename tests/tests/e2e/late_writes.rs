@@ -23,7 +23,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::{ClientContext, DefaultClientContext};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::RDKafkaErrorCode;
@@ -60,7 +59,7 @@ async fn a_write_purged_on_the_wire_that_lands_late_is_never_committed() {
 
     // The partition stays: the loop aborts and replays it, its producer writes the replay.
     for purge in [Purge::ByTheFence, Purge::ByACommitWaitingForIt] {
-        let stage = Stage::create(&cluster.bootstrap, "late-stay").await;
+        let stage = Stage::create(&cluster, "late-stay").await;
         let transactions = stage.transactions();
         stage
             .write_purged_on_the_wire(&relay, &transactions, purge)
@@ -77,7 +76,7 @@ async fn a_write_purged_on_the_wire_that_lands_late_is_never_committed() {
 
     // The partition leaves: its transaction is aborted and its producer closed; the next
     // owner's writes the replay.
-    let stage = Stage::create(&cluster.bootstrap, "late-leave").await;
+    let stage = Stage::create(&cluster, "late-leave").await;
     let transactions = stage.transactions();
     stage
         .write_purged_on_the_wire(&relay, &transactions, Purge::ByTheFence)
@@ -111,28 +110,16 @@ struct Stage {
 }
 
 impl Stage {
-    async fn create(bootstrap: &str, name: &str) -> Self {
+    async fn create(cluster: &ScriptCluster, name: &str) -> Self {
         let stage = Self {
-            bootstrap: bootstrap.to_string(),
+            bootstrap: cluster.bootstrap.clone(),
             input: unique(&format!("{name}-in")),
             output: unique(&format!("{name}-out")),
             group: unique(name),
         };
-        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-            .set("bootstrap.servers", bootstrap)
-            .create()
-            .expect("admin client");
-        let created = admin
-            .create_topics(
-                &[
-                    NewTopic::new(&stage.input, 1, TopicReplication::Fixed(1)),
-                    NewTopic::new(&stage.output, 1, TopicReplication::Fixed(1)),
-                ],
-                &AdminOptions::new().operation_timeout(Some(Duration::from_secs(30))),
-            )
-            .await
-            .expect("create topics");
-        assert!(created.iter().all(|r| r.is_ok()), "{created:?}");
+        cluster
+            .create_topics(&[(&stage.input, 1), (&stage.output, 1)])
+            .await;
         stage
     }
 
@@ -364,22 +351,9 @@ impl WorkerRun {
             dlq: unique(&format!("{name}-dlq")),
             group: unique(name),
         };
-        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-            .set("bootstrap.servers", &cluster.bootstrap)
-            .create()
-            .expect("admin client");
-        let created = admin
-            .create_topics(
-                &[
-                    NewTopic::new(&topics.input, 4, TopicReplication::Fixed(1)),
-                    NewTopic::new(&topics.output, 4, TopicReplication::Fixed(1)),
-                    NewTopic::new(&topics.dlq, 1, TopicReplication::Fixed(1)),
-                ],
-                &AdminOptions::new().operation_timeout(Some(Duration::from_secs(30))),
-            )
-            .await
-            .expect("create topics");
-        assert!(created.iter().all(|r| r.is_ok()), "{created:?}");
+        cluster
+            .create_topics(&[(&topics.input, 4), (&topics.output, 4), (&topics.dlq, 1)])
+            .await;
         let load = LoadgenOptions {
             choice: SessionChoice::RoundRobin,
             ..LoadgenOptions::new(&cluster.bootstrap, &topics.input, RECORDS, 100)

@@ -11,9 +11,6 @@
 
 use std::time::Duration;
 
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
-use rdkafka::ClientConfig;
 use sessionflow_tests::{
     committed_offsets_on, http_get, unique, wait_until, ScriptCluster, Topics, WorkerProcess,
 };
@@ -36,22 +33,9 @@ async fn broker_with(settings: &[&str], name: &str) -> (ScriptCluster, Topics) {
         dlq: unique(&format!("{name}-dlq")),
         group: unique(&format!("{name}-group")),
     };
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", &cluster.bootstrap)
-        .create()
-        .expect("admin client");
-    let created = admin
-        .create_topics(
-            &[
-                NewTopic::new(&topics.input, 2, TopicReplication::Fixed(1)),
-                NewTopic::new(&topics.output, 2, TopicReplication::Fixed(1)),
-                NewTopic::new(&topics.dlq, 1, TopicReplication::Fixed(1)),
-            ],
-            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(30))),
-        )
-        .await
-        .expect("create topics");
-    assert!(created.iter().all(|r| r.is_ok()), "{created:?}");
+    cluster
+        .create_topics(&[(&topics.input, 2), (&topics.output, 2), (&topics.dlq, 1)])
+        .await;
     loadgen::run(&LoadgenOptions::new(
         &cluster.bootstrap,
         &topics.input,
