@@ -17,16 +17,16 @@ use tokio_util::task::TaskTracker;
 
 use crate::commit::completion;
 use crate::commit::lag::{Assigned, LagReporter};
-use crate::config::{
-    Delivery, StageConfig, EXACTLY_ONCE_MESSAGE_TIMEOUT_MS, EXACTLY_ONCE_TRANSACTION_TIMEOUT_MS,
-};
+use crate::config::{Delivery, StageConfig, EXACTLY_ONCE_TRANSACTION_TIMEOUT_MS};
 use crate::dispatch::dispatcher::Dispatcher;
 use crate::handler::Handler;
 use crate::intake::prefetch::{self, Prefetch};
 use crate::intake::{consumer_config, IntakeLoop, IntakeSettings, IntakeTokens};
 use crate::ops::health::{self, Health};
 use crate::ops::metrics::Metrics;
-use crate::output::producer::{producer_config, ProducerEvents, StageProducer};
+use crate::output::producer::{
+    producer_config, transactional_producer_config, ProducerEvents, StageProducer,
+};
 use crate::output::transaction_probe::{probe_id, until_answered};
 use crate::output::transactions::Transactions;
 use crate::session::task::SessionContext;
@@ -137,15 +137,7 @@ pub async fn start<H: Handler>(config: StageConfig, handler: H) -> anyhow::Resul
     ));
     let mut probe = None;
     let transactions = (config.settings.delivery() == Delivery::ExactlyOnce).then(|| {
-        let mut c = producer_config(&config.brokers, &extra);
-        c.set(
-            "message.timeout.ms",
-            EXACTLY_ONCE_MESSAGE_TIMEOUT_MS.to_string(),
-        )
-        .set(
-            "transaction.timeout.ms",
-            EXACTLY_ONCE_TRANSACTION_TIMEOUT_MS.to_string(),
-        );
+        let c = transactional_producer_config(&config.brokers, &extra);
         probe = Some((c.clone(), probe_id(&config.group_id(), &config.input)));
         Arc::new(Transactions::new(
             c,

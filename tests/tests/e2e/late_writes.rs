@@ -34,10 +34,7 @@ use sessionflow_tests::{
 };
 use sessionflow_tools::loadgen::{self, LoadgenOptions, SessionChoice};
 use sessionflow_tools::verify::read_topic;
-use sessionflow_worker::config::{
-    EXACTLY_ONCE_MESSAGE_TIMEOUT_MS, EXACTLY_ONCE_TRANSACTION_TIMEOUT_MS,
-};
-use sessionflow_worker::output::producer::producer_config;
+use sessionflow_worker::output::producer::transactional_producer_config;
 use sessionflow_worker::output::transactions::{AbortReason, Doom, Transactions};
 
 /// Ports of this test's broker: 19530 … 19533, the relay on 19533, the address the broker
@@ -126,16 +123,7 @@ impl Stage {
     /// A worker's transactional producers, configured as the worker configures them, with
     /// partition 0's open.
     fn transactions(&self) -> Arc<Transactions<DefaultClientContext>> {
-        let mut config = producer_config(&self.bootstrap, &[]);
-        config
-            .set(
-                "message.timeout.ms",
-                EXACTLY_ONCE_MESSAGE_TIMEOUT_MS.to_string(),
-            )
-            .set(
-                "transaction.timeout.ms",
-                EXACTLY_ONCE_TRANSACTION_TIMEOUT_MS.to_string(),
-            );
+        let config = transactional_producer_config(&self.bootstrap, &[]);
         let transactions =
             Transactions::new(config, &self.group, &self.input, DefaultClientContext);
         tokio::task::block_in_place(|| transactions.open(0)).expect("open partition 0's producer");

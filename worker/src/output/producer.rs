@@ -152,6 +152,22 @@ pub fn producer_config(brokers: &str, extra: &[(String, String)]) -> ClientConfi
     c
 }
 
+/// The settings of an `exactlyOnce` stage's transactional producers (`output::transactions`,
+/// which adds each one's transactional id): [`producer_config`], with the bounds of a write
+/// and of a transaction that the stage's commit and rebalance deadlines are sized from.
+pub fn transactional_producer_config(brokers: &str, extra: &[(String, String)]) -> ClientConfig {
+    let mut c = producer_config(brokers, extra);
+    c.set(
+        "message.timeout.ms",
+        crate::config::EXACTLY_ONCE_MESSAGE_TIMEOUT_MS.to_string(),
+    )
+    .set(
+        "transaction.timeout.ms",
+        crate::config::EXACTLY_ONCE_TRANSACTION_TIMEOUT_MS.to_string(),
+    );
+    c
+}
+
 impl StageProducer {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
