@@ -10,12 +10,12 @@
 //! first two bytes are its API key) and only ever forwards them whole and in order. It never
 //! answers, changes or drops anything: it is a wire with a valve, not a broker. Other kinds of
 //! request can be held the same way (the group coordinator's offset requests: a coordinator
-//! that stops answering).
+//! that stops answering; a transaction coordinator's `EndTxn`: an abort that waits).
 //!
 //! Clients reach it as the node's advertised address (`scripts/kafka.sh start --proxied`
 //! advertises port P+3 for the node on P).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -28,12 +28,15 @@ use tokio::task::AbortHandle;
 pub const PRODUCE: i16 = 0;
 pub const OFFSET_COMMIT: i16 = 8;
 pub const OFFSET_FETCH: i16 = 9;
+pub const END_TXN: i16 = 26;
 
 /// The relay: forwards every connection made to its address to the node's; stopped when dropped.
 pub struct Relay {
     /// The API keys of the requests held now.
     holding: watch::Sender<HashSet<i16>>,
     produce_seen: Arc<AtomicUsize>,
+    /// How many requests of each API key clients have sent (held or not).
+    seen_by_key: Arc<Mutex<HashMap<i16, usize>>>,
     /// How many produce requests were forwarded: the n-th (from 0) waits until n were.
     forwarded: watch::Sender<usize>,
     tasks: Arc<Mutex<Vec<AbortHandle>>>,
@@ -50,13 +53,15 @@ impl Relay {
         let relay = Self {
             holding,
             produce_seen: Arc::default(),
+            seen_by_key: Arc::default(),
             forwarded,
             tasks: Arc::default(),
         };
-        let (node, holding, seen, forwarded, tasks) = (
+        let (node, holding, seen, by_key, forwarded, tasks) = (
             node.to_string(),
             relay.holding.clone(),
             relay.produce_seen.clone(),
+            relay.seen_by_key.clone(),
             relay.forwarded.clone(),
             relay.tasks.clone(),
         );
@@ -70,6 +75,7 @@ impl Relay {
                 let order = Order {
                     holding: holding.subscribe(),
                     seen: seen.clone(),
+                    by_key: by_key.clone(),
                     forwarded: forwarded.clone(),
                 };
                 for handle in connect(client, upstream, order) {
@@ -98,6 +104,17 @@ impl Relay {
     pub fn produce_requests_seen(&self) -> usize {
         self.produce_seen.load(Ordering::SeqCst)
     }
+
+    /// How many requests with `api_key` clients have sent through the relay so far (held or
+    /// not).
+    pub fn requests_seen(&self, api_key: i16) -> usize {
+        self.seen_by_key
+            .lock()
+            .unwrap()
+            .get(&api_key)
+            .copied()
+            .unwrap_or(0)
+    }
 }
 
 impl Drop for Relay {
@@ -113,6 +130,8 @@ struct Order {
     holding: watch::Receiver<HashSet<i16>>,
     /// Produce requests read so far: each one's number.
     seen: Arc<AtomicUsize>,
+    /// Requests read so far, by API key.
+    by_key: Arc<Mutex<HashMap<i16, usize>>>,
     forwarded: watch::Sender<usize>,
 }
 
@@ -124,6 +143,7 @@ fn connect(client: TcpStream, upstream: TcpStream, order: Order) -> [AbortHandle
     let Order {
         mut holding,
         seen,
+        by_key,
         forwarded,
     } = order;
     let (mut from_client, mut to_client) = client.into_split();
@@ -141,8 +161,11 @@ fn connect(client: TcpStream, upstream: TcpStream, order: Order) -> [AbortHandle
             if from_client.read_exact(&mut frame[4..]).await.is_err() {
                 return;
             }
-            let number =
-                (api_key(&frame) == Some(PRODUCE)).then(|| seen.fetch_add(1, Ordering::SeqCst));
+            let key = api_key(&frame);
+            if let Some(k) = key {
+                *by_key.lock().unwrap().entry(k).or_default() += 1;
+            }
+            let number = (key == Some(PRODUCE)).then(|| seen.fetch_add(1, Ordering::SeqCst));
             if frames.send((frame, number)).is_err() {
                 return;
             }

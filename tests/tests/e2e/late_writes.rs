@@ -40,7 +40,8 @@ use sessionflow_worker::output::transactions::{AbortReason, Doom, Transactions};
 /// Ports of this test's broker: 19530 … 19533, the relay on 19533, the address the broker
 /// advertises (the test broker uses 9092 …, chaos 19300 …, the SASL_SSL test 19440 …, the
 /// truncation test 19460 …, metrics ports 19480 … 19491, the 3-node exactly-once test
-/// 19500 … 19510, the transaction probe test 19520 … 19527).
+/// 19500 … 19510, the transaction probe test 19520 … 19527, `slow_transaction_calls`
+/// 19560 … 19563).
 const PORT: u16 = 19530;
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -281,6 +282,7 @@ async fn an_exactly_once_worker_whose_revocation_purges_writes_on_the_wire_commi
     )
     .await;
     run.replays_on_the_wire_then_release().await;
+    run.assert_renewed_together();
     run.finish(vec![second]).await;
 }
 
@@ -308,6 +310,7 @@ async fn an_exactly_once_worker_whose_membership_fence_purges_writes_on_the_wire
     .await;
     run.relay.release(&[OFFSET_FETCH, OFFSET_COMMIT]);
     run.replays_on_the_wire_then_release().await;
+    run.assert_renewed_together();
     run.finish(vec![]).await;
 }
 
@@ -380,6 +383,14 @@ impl WorkerRun {
         wait_until(WAIT, || run.relay.produce_requests_seen() > 0)
             .await
             .expect("the worker's writes reach the wire");
+        // The four partitions' producers, opened at the same time in the assignment's
+        // callback (`Transactions::open_each`): one after another, a takeover waited ~0.6 s a
+        // partition for the broker to end what the older owner left open.
+        run.assert_together(
+            "opening the transactional producer",
+            "transactional producer opened",
+            "the assignment's opens",
+        );
         run
     }
 
@@ -393,7 +404,7 @@ impl WorkerRun {
     /// the wire behind the purged ones, lets every write through.
     async fn replays_on_the_wire_then_release(&mut self) {
         self.wait_for_log(
-            "new epoch takes over",
+            "the new producer took over",
             "a kept partition's abort with a new producer",
         )
         .await;
@@ -402,6 +413,32 @@ impl WorkerRun {
             .await
             .expect("a replay's write reaches the wire");
         self.relay.release(&[PRODUCE]);
+    }
+
+    /// The new producers of the partitions rewound together were opened at the same time
+    /// (`Transactions::abort_each`): more than one renewal began before the first ended. Each
+    /// takes ~0.6 s (librdkafka asks the broker again every 500 ms while it ends the old
+    /// transaction); one after another they held the barrier, and every write of the stage,
+    /// for the sum. Call after [`WorkerRun::replays_on_the_wire_then_release`].
+    fn assert_renewed_together(&self) {
+        self.assert_together(
+            "new epoch takes over",
+            "the new producer took over",
+            "the renewals",
+        );
+    }
+
+    /// More than one call (its log lines `began` … `ended`) began before the first ended.
+    fn assert_together(&self, began: &str, ended: &str, what: &str) {
+        let log = std::fs::read_to_string(&self.log).expect("the worker's log");
+        let first_ended = log
+            .find(ended)
+            .unwrap_or_else(|| panic!("none of {what} ended"));
+        let begun = log[..first_ended].matches(began).count();
+        assert!(
+            begun >= 2,
+            "{what} ran one after another ({begun} begun before the first ended):\n{log}"
+        );
     }
 
     /// Everything committed; the read_committed output holds every record once, in order.

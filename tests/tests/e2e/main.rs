@@ -27,6 +27,7 @@ mod replays;
 mod restart;
 mod secured;
 mod shutdown;
+mod slow_transaction_calls;
 mod stuck;
 mod trace_context;
 mod transaction_probe;

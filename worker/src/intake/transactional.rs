@@ -32,7 +32,7 @@
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
 use rdkafka::{Offset as KafkaOffset, TopicPartitionList};
 use std::sync::Arc;
 
@@ -64,6 +64,16 @@ fn is_fatal(error: &KafkaError) -> bool {
 fn is_stale(book: &Book, p: Partition, doom: &Doom) -> bool {
     let lease = book.partitions.get(&p).map(|s| s.lease.epoch);
     doom.epoch.is_some_and(|e| Some(e) != lease)
+}
+
+/// What the first half of a rewind leaves to do with a doomed partition.
+enum Rewind {
+    /// Nothing: its doom is stale, or it was given up (fenced).
+    Nothing,
+    /// Abort its transaction, then fetch it again from here (its last commit).
+    From(KafkaOffset),
+    /// Nothing more: the worker stops (`stop_fatally` has said why).
+    Stop,
 }
 
 impl IntakeContext {
@@ -232,8 +242,8 @@ impl IntakeContext {
                 self.give_up(book, transactions, p, &"its producer's fatal error");
             }
         }
-        let doomed = transactions.take_doomed();
-        for (p, doom) in doomed {
+        let mut rewinds = Vec::new();
+        for (p, doom) in transactions.take_doomed() {
             let owned = book
                 .partitions
                 .get(&p)
@@ -241,7 +251,17 @@ impl IntakeContext {
             if !owned {
                 continue; // leaving: its close aborts it
             }
-            if !self.rewind_transaction(consumer, book, transactions, p, doom) {
+            match self.prepare_rewind(consumer, book, transactions, p, doom) {
+                Rewind::Nothing => {}
+                Rewind::Stop => return,
+                Rewind::From(from) => rewinds.push((p, from)),
+            }
+        }
+        // All the aborts at once (each partition has its own producer), under the barrier.
+        let partitions = rewinds.iter().map(|&(p, _)| p).collect();
+        let aborted = transactions.abort_each(partitions);
+        for ((p, from), (_, result)) in rewinds.into_iter().zip(aborted) {
+            if !self.finish_rewind(consumer, book, transactions, p, from, result) {
                 return;
             }
         }
@@ -257,13 +277,34 @@ impl IntakeContext {
         p: Partition,
         doom: Doom,
     ) -> bool {
+        match self.prepare_rewind(consumer, book, transactions, p, doom) {
+            Rewind::Nothing => true,
+            Rewind::Stop => false,
+            Rewind::From(from) => {
+                let aborted = transactions.abort(p);
+                self.finish_rewind(consumer, book, transactions, p, from, aborted)
+            }
+        }
+    }
+
+    /// The first half of a rewind, before the abort: counts the abort against the record that
+    /// doomed it and starts `p`'s books over from its last commit, under a new lease. Call
+    /// under the barrier, exclusively.
+    fn prepare_rewind(
+        &self,
+        consumer: &BaseConsumer<IntakeContext>,
+        book: &mut Book,
+        transactions: &Transactions<ProducerEvents>,
+        p: Partition,
+        doom: Doom,
+    ) -> Rewind {
         if !book.partitions.contains_key(&p) || is_stale(book, p, &doom) {
-            return true;
+            return Rewind::Nothing;
         }
         if transactions.is_fenced(p) {
             // No abort can help: the broker aborted it, and the producer can do no more.
             self.give_up(book, transactions, p, &"its producer is fenced");
-            return true;
+            return Rewind::Nothing;
         }
         self.count_abort(doom.reason);
         match transactions.strike(p, doom.record) {
@@ -287,24 +328,38 @@ impl IntakeContext {
                         doom.record
                     ),
                 );
-                return false;
+                return Rewind::Stop;
             }
         }
-        let Some(from) = self.restart_from_commit(consumer, book, transactions, p) else {
-            return false;
-        };
-        match transactions.abort(p) {
-            Ok(()) => {}
+        match self.restart_from_commit(consumer, book, transactions, p) {
+            Some(from) => Rewind::From(from),
+            None => Rewind::Stop,
+        }
+    }
+
+    /// The second half of a rewind, once `p`'s abort answered `aborted`: has the consumer
+    /// fetch `p` again from its last commit, gives `p` up if its producer turned out fenced,
+    /// or stops the worker if the abort failed otherwise (false).
+    fn finish_rewind(
+        &self,
+        consumer: &BaseConsumer<IntakeContext>,
+        book: &mut Book,
+        transactions: &Transactions<ProducerEvents>,
+        p: Partition,
+        from: KafkaOffset,
+        aborted: KafkaResult<()>,
+    ) -> bool {
+        match aborted {
+            Ok(()) => self.seek_back(consumer, book, p, from),
             Err(e) if is_fence(&e) || transactions.is_fenced(p) => {
                 self.give_up(book, transactions, p, &e);
-                return true;
+                true
             }
             Err(e) => {
                 self.stop_fatally(p, &format!("exactlyOnce: the abort failed ({e})"));
-                return false;
+                false
             }
         }
-        self.seek_back(consumer, book, p, from)
     }
 
     /// Starts `p`'s books over from the group's committed watermark and map (read again, as on
@@ -532,13 +587,15 @@ impl IntakeContext {
         let Some(transactions) = self.producer.transactions() else {
             return true;
         };
-        for p in partitions {
-            if transactions.producer(*p).is_some() {
-                continue;
-            }
-            if let Err(e) = transactions.open(*p) {
+        let closed = partitions
+            .iter()
+            .copied()
+            .filter(|&p| transactions.producer(p).is_none())
+            .collect();
+        for (p, opened) in transactions.open_each(closed) {
+            if let Err(e) = opened {
                 self.stop_fatally(
-                    *p,
+                    p,
                     &format!(
                         "exactlyOnce: the partition's transactional producer could not be opened \
                      ({e}; exactlyOnce needs a broker with transactions, Apache Kafka ≥ 2.5); \
