@@ -9,7 +9,8 @@
 //!
 //! The test's broker sits behind a relay (`sessionflow_tests::relay`) that holds the
 //! transaction coordinator's `EndTxn`: partition 0's abort is on the wire and unanswered for as
-//! long as the test likes, and partition 1's writes must go on meanwhile.
+//! long as the test likes, and partition 1's writes must go on meanwhile; and when a revocation
+//! closes both partitions, their aborts wait together, not one after the other.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,7 +29,7 @@ const PORT: u16 = 19560;
 const WAIT: Duration = Duration::from_secs(60);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_close_whose_abort_waits_on_the_broker_leaves_the_other_partitions_writing() {
+async fn a_partitions_abort_waiting_on_the_broker_holds_up_no_other_partition() {
     // The relay first: the script reaches the broker at its advertised address to see it ready.
     let relay = Relay::start(
         &format!("127.0.0.1:{}", PORT + 3),
@@ -80,6 +81,30 @@ async fn a_close_whose_abort_waits_on_the_broker_leaves_the_other_partitions_wri
     assert!(
         transactions.producer(0).is_none(),
         "partition 0's producer is closed"
+    );
+
+    // A revocation (or a stop) closes its partitions together: both aborts are on the wire
+    // at once. One after another, the second would be sent only once the first is answered,
+    // or has timed out (30 s, longer than this wait).
+    tokio::task::block_in_place(|| transactions.open(0)).expect("open partition 0 again");
+    tokio::task::block_in_place(|| transactions.open(1)).expect("open partition 1 again");
+    write(&transactions, 0, &output).await;
+    write(&transactions, 1, &output).await;
+    relay.hold(&[END_TXN]);
+    let seen = relay.requests_seen(END_TXN);
+    let leaving = transactions.clone();
+    let close = tokio::task::spawn_blocking(move || leaving.close_each(vec![0, 1]));
+    let together = wait_until(Duration::from_secs(20), || {
+        relay.requests_seen(END_TXN) == seen + 2
+    })
+    .await;
+    relay.release(&[END_TXN]);
+    close
+        .await
+        .expect("the closes return once the aborts are answered");
+    assert!(
+        together.is_ok(),
+        "the two partitions' aborts were not on the wire at the same time"
     );
 }
 

@@ -608,13 +608,11 @@ impl IntakeContext {
         true
     }
 
-    /// `exactlyOnce`: aborts what `partitions` have open and closes their producers (after
-    /// their last commit, this aborts only the empty transaction begun after it).
+    /// `exactlyOnce`: aborts what `partitions` have open and closes their producers, all at
+    /// once (after their last commit, this aborts only the empty transaction begun after it).
     pub(super) fn close_transactions(&self, partitions: &[Partition]) {
         if let Some(transactions) = self.producer.transactions() {
-            for p in partitions {
-                transactions.abort_and_close(*p);
-            }
+            transactions.close_each(partitions.to_vec());
         }
     }
 }
