@@ -121,7 +121,7 @@ impl IntakeContext {
                         "leaving partition's transaction cannot commit: aborted at its close; \
                          the next owner replays from the last commit"
                     );
-                } else if !self.rewind_transaction(consumer, book, transactions, p, doom) {
+                } else if !self.rewind_transactions(consumer, book, transactions, vec![(p, doom)]) {
                     return failed;
                 }
                 continue;
@@ -207,7 +207,8 @@ impl IntakeContext {
                         record: None,
                         epoch: None,
                     };
-                    stopping = !self.rewind_transaction(consumer, book, transactions, p, doom);
+                    stopping =
+                        !self.rewind_transactions(consumer, book, transactions, vec![(p, doom)]);
                 }
             }
         }
@@ -242,49 +243,45 @@ impl IntakeContext {
                 self.give_up(book, transactions, p, &"its producer's fatal error");
             }
         }
-        let mut rewinds = Vec::new();
-        for (p, doom) in transactions.take_doomed() {
-            let owned = book
-                .partitions
-                .get(&p)
-                .is_some_and(|s| s.phase == Phase::Owned);
-            if !owned {
-                continue; // leaving: its close aborts it
-            }
-            match self.prepare_rewind(consumer, book, transactions, p, doom) {
-                Rewind::Nothing => {}
-                Rewind::Stop => return,
-                Rewind::From(from) => rewinds.push((p, from)),
-            }
-        }
-        // All the aborts at once (each partition has its own producer), under the barrier.
-        let partitions = rewinds.iter().map(|&(p, _)| p).collect();
-        let aborted = transactions.abort_each(partitions);
-        for ((p, from), (_, result)) in rewinds.into_iter().zip(aborted) {
-            if !self.finish_rewind(consumer, book, transactions, p, from, result) {
-                return;
-            }
-        }
+        let owned: Vec<(Partition, Doom)> = transactions
+            .take_doomed()
+            .into_iter()
+            .filter(|(p, _)| {
+                // One leaving is not rewound: its close aborts it.
+                book.partitions
+                    .get(p)
+                    .is_some_and(|s| s.phase == Phase::Owned)
+            })
+            .collect();
+        self.rewind_transactions(consumer, book, transactions, owned);
     }
 
-    /// Aborts `p`'s transaction and rewinds `p` to its committed watermark and map. Call
-    /// under the barrier, exclusively. False when the worker stops instead.
-    fn rewind_transaction(
+    /// Aborts the transactions of the `doomed` partitions and rewinds each to its committed
+    /// watermark and map; the aborts at the same time (each partition has its own producer).
+    /// Call under the barrier, exclusively. False when the worker stops instead.
+    fn rewind_transactions(
         &self,
         consumer: &BaseConsumer<IntakeContext>,
         book: &mut Book,
         transactions: &Transactions<ProducerEvents>,
-        p: Partition,
-        doom: Doom,
+        doomed: Vec<(Partition, Doom)>,
     ) -> bool {
-        match self.prepare_rewind(consumer, book, transactions, p, doom) {
-            Rewind::Nothing => true,
-            Rewind::Stop => false,
-            Rewind::From(from) => {
-                let aborted = transactions.abort(p);
-                self.finish_rewind(consumer, book, transactions, p, from, aborted)
+        let mut rewinds = Vec::new();
+        for (p, doom) in doomed {
+            match self.prepare_rewind(consumer, book, transactions, p, doom) {
+                Rewind::Nothing => {}
+                Rewind::Stop => return false,
+                Rewind::From(from) => rewinds.push((p, from)),
             }
         }
+        let partitions = rewinds.iter().map(|&(p, _)| p).collect();
+        let aborted = transactions.abort_each(partitions);
+        for ((p, from), (_, result)) in rewinds.into_iter().zip(aborted) {
+            if !self.finish_rewind(consumer, book, transactions, p, from, result) {
+                return false;
+            }
+        }
+        true
     }
 
     /// The first half of a rewind, before the abort: counts the abort against the record that
