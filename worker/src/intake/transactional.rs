@@ -103,6 +103,7 @@ impl IntakeContext {
         };
         let mut failed = 0;
         let mut due = Vec::new();
+        let mut doomed = Vec::new();
         for p in partitions {
             // A leaving partition's doom stays: nothing of its transaction may commit, ever.
             let doom = if force {
@@ -121,8 +122,8 @@ impl IntakeContext {
                         "leaving partition's transaction cannot commit: aborted at its close; \
                          the next owner replays from the last commit"
                     );
-                } else if !self.rewind_transactions(consumer, book, transactions, vec![(p, doom)]) {
-                    return failed;
+                } else {
+                    doomed.push((p, doom));
                 }
                 continue;
             }
@@ -130,6 +131,9 @@ impl IntakeContext {
             if offsets.count() > 0 {
                 due.push((p, offsets));
             }
+        }
+        if !doomed.is_empty() && !self.rewind_transactions(consumer, book, transactions, doomed) {
+            return failed;
         }
         // All at once (each partition has its own producer), still under the barrier.
         let mut stopping = false;
@@ -142,6 +146,7 @@ impl IntakeContext {
                 "commit turn"
             );
         }
+        let mut refused = Vec::new();
         for (p, offsets, result, took) in answers {
             self.metrics
                 .transaction_commit_seconds
@@ -207,10 +212,22 @@ impl IntakeContext {
                         record: None,
                         epoch: None,
                     };
-                    stopping =
-                        !self.rewind_transactions(consumer, book, transactions, vec![(p, doom)]);
+                    refused.push((p, doom));
                 }
             }
+        }
+        if stopping {
+            // Another partition's call stopped the worker: the close aborts these.
+            for (p, doom) in refused {
+                self.count_abort(doom.reason);
+                tracing::warn!(
+                    partition = p,
+                    "transaction did not commit: aborted at its producer's close; the next \
+                     owner replays from the last commit"
+                );
+            }
+        } else if !refused.is_empty() {
+            self.rewind_transactions(consumer, book, transactions, refused);
         }
         failed
     }
