@@ -42,6 +42,20 @@ pub struct Relay {
     tasks: Arc<Mutex<Vec<AbortHandle>>>,
 }
 
+/// A broker of its own behind a relay: `scripts/kafka.sh start --proxied` on `port` … `port +
+/// 3`, which advertises `port + 3`, where the relay listens. The relay starts first: the script
+/// reaches the broker at its advertised address to see it ready. From a multi-thread runtime
+/// (the script blocks while the broker starts).
+pub async fn broker_behind_relay(port: u16) -> (Relay, crate::ScriptCluster) {
+    let relay = Relay::start(
+        &format!("127.0.0.1:{}", port + 3),
+        &format!("127.0.0.1:{port}"),
+    )
+    .await;
+    let cluster = tokio::task::block_in_place(|| crate::ScriptCluster::start(port, &["--proxied"]));
+    (relay, cluster)
+}
+
 impl Relay {
     /// Listens on `listen` and forwards to `node` (both `host:port`).
     pub async fn start(listen: &str, node: &str) -> Self {

@@ -28,7 +28,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
-use sessionflow_tests::relay::{Relay, OFFSET_COMMIT, OFFSET_FETCH, PRODUCE};
+use sessionflow_tests::relay::{broker_behind_relay, Relay, OFFSET_COMMIT, OFFSET_FETCH, PRODUCE};
 use sessionflow_tests::{
     unique, verify_on, wait_committed_to_end_on, wait_until, ScriptCluster, Topics, WorkerProcess,
 };
@@ -47,13 +47,7 @@ const WAIT: Duration = Duration::from_secs(60);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_purged_on_the_wire_that_lands_late_is_never_committed() {
-    // The relay first: the script reaches the broker at its advertised address to see it ready.
-    let relay = Relay::start(
-        &format!("127.0.0.1:{}", PORT + 3),
-        &format!("127.0.0.1:{PORT}"),
-    )
-    .await;
-    let cluster = tokio::task::block_in_place(|| ScriptCluster::start(PORT, &["--proxied"]));
+    let (relay, cluster) = broker_behind_relay(PORT).await;
 
     // The partition stays: the loop aborts and replays it, its producer writes the replay.
     for purge in [Purge::ByTheFence, Purge::ByACommitWaitingForIt] {
@@ -330,12 +324,7 @@ impl WorkerRun {
     /// (a Kafka property). Commits are far apart (60 s), so that no commit waits for the
     /// barrier while writes are held.
     async fn start(port: u16, name: &str, extra: &str, setting: (&str, &str)) -> Self {
-        let relay = Relay::start(
-            &format!("127.0.0.1:{}", port + 3),
-            &format!("127.0.0.1:{port}"),
-        )
-        .await;
-        let cluster = tokio::task::block_in_place(|| ScriptCluster::start(port, &["--proxied"]));
+        let (relay, cluster) = broker_behind_relay(port).await;
         let topics = Topics {
             input: unique(&format!("{name}-in")),
             output: unique(&format!("{name}-out")),

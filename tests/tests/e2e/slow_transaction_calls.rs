@@ -17,8 +17,8 @@ use std::time::Duration;
 
 use rdkafka::client::DefaultClientContext;
 use rdkafka::producer::FutureRecord;
-use sessionflow_tests::relay::{Relay, END_TXN};
-use sessionflow_tests::{unique, wait_until, ScriptCluster};
+use sessionflow_tests::relay::{broker_behind_relay, END_TXN};
+use sessionflow_tests::{unique, wait_until};
 use sessionflow_worker::output::producer::transactional_producer_config;
 use sessionflow_worker::output::transactions::Transactions;
 
@@ -30,13 +30,7 @@ const WAIT: Duration = Duration::from_secs(60);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partitions_abort_waiting_on_the_broker_holds_up_no_other_partition() {
-    // The relay first: the script reaches the broker at its advertised address to see it ready.
-    let relay = Relay::start(
-        &format!("127.0.0.1:{}", PORT + 3),
-        &format!("127.0.0.1:{PORT}"),
-    )
-    .await;
-    let cluster = tokio::task::block_in_place(|| ScriptCluster::start(PORT, &["--proxied"]));
+    let (relay, cluster) = broker_behind_relay(PORT).await;
     let (input, output, group) = (
         unique("slow-calls-in"),
         unique("slow-calls-out"),
