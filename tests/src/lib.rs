@@ -769,17 +769,31 @@ pub fn end_offsets_on(brokers: &str, topic: &str) -> Vec<i64> {
 
 /// Committed offsets of `group` on `topic` at `brokers` (-1 where nothing is committed).
 pub fn committed_offsets_on(brokers: &str, group: &str, topic: &str) -> Vec<i64> {
+    offsets_or_unset(&committed_list_on(brokers, group, topic))
+}
+
+/// The committed offset of `group` on partition 0 of `topic` at `brokers`, with its metadata
+/// (the offset map the workers commit): (-1, "") when nothing is committed.
+pub fn committed_with_metadata_on(brokers: &str, group: &str, topic: &str) -> (i64, String) {
+    let got = committed_list_on(brokers, group, topic);
+    let e = got.find_partition(topic, 0).expect("partition 0");
+    match e.offset() {
+        Offset::Offset(o) => (o, e.metadata().to_string()),
+        _ => (-1, String::new()),
+    }
+}
+
+fn committed_list_on(brokers: &str, group: &str, topic: &str) -> TopicPartitionList {
     let c = metadata_consumer_on(brokers, group);
     let mut tpl = TopicPartitionList::new();
     for p in 0..partition_count(&c, topic) {
         tpl.add_partition(topic, p);
     }
-    // A cluster just started may still be loading its offsets topic (NOT_COORDINATOR,
-    // COORDINATOR_LOAD_IN_PROGRESS).
-    let got = asked_until_answered(&format!("committed offsets of {group}"), 15, || {
+    // A cluster just started, or a group new to its coordinator, may be refused for a while
+    // (NOT_COORDINATOR, COORDINATOR_LOAD_IN_PROGRESS).
+    asked_until_answered(&format!("committed offsets of {group}"), 15, || {
         c.committed_offsets(tpl.clone(), Duration::from_secs(10))
-    });
-    offsets_or_unset(&got)
+    })
 }
 
 /// `ask` until it answers, up to `retries` more times a second apart (a broker's transient

@@ -1,43 +1,21 @@
-//! Bounded replay through commit metadata, against librdkafka's mock cluster.
+//! Bounded replay through commit metadata, on Apache Kafka.
 //!
-//! nisshi drops commit metadata (see shared/TESTING.md), so this test runs against the other
-//! real Kafka-protocol implementation available here: librdkafka's in-process mock cluster,
-//! which keeps it. A first worker finishes every record but one session's (its first record
-//! hangs); its commit stays at that record's offset and carries the map of everything done
-//! above it. A second worker in the same group then processes only the unfinished records.
+//! A first worker finishes every record but one session's (its first record hangs); its commit
+//! stays at that record's offset and carries the map of everything done above it. A second
+//! worker in the same group then processes only the unfinished records. And a map too large for
+//! the broker's metadata limit holds intake until it shrinks.
 
 use std::time::Duration;
 
-use rdkafka::config::ClientConfig;
-use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::{Offset, TopicPartitionList};
-use sessionflow_tests::{builtin, wait_until, Gate, MockKafka, RecordingHandler};
+use sessionflow_tests::{
+    brokers, builtin, committed_with_metadata_on, wait_until, Gate, RecordingHandler, Topics,
+};
 use sessionflow_tools::loadgen::{self, LoadgenOptions, SessionChoice};
 use sessionflow_worker::commit::offset_map;
 
-fn committed(brokers: &str, group: &str, topic: &str) -> (i64, String) {
-    let c: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("group.id", group)
-        .create()
-        .unwrap();
-    let mut tpl = TopicPartitionList::new();
-    tpl.add_partition(topic, 0);
-    let got = c.committed_offsets(tpl, Duration::from_secs(5)).unwrap();
-    let e = got.find_partition(topic, 0).unwrap();
-    match e.offset() {
-        Offset::Offset(o) => (o, e.metadata().to_string()),
-        _ => (-1, String::new()),
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_skips_what_the_commit_metadata_says_is_done() {
-    let MockKafka {
-        cluster: _cluster,
-        brokers,
-        topics,
-    } = MockKafka::new("map", 1, 1);
+    let (brokers, topics) = (brokers(), Topics::create("map", 1).await);
     // 10 sessions × 5 records on one partition; session-000000's first record is offset 0.
     let opts = LoadgenOptions {
         choice: SessionChoice::RoundRobin,
@@ -47,13 +25,8 @@ async fn a_restart_skips_what_the_commit_metadata_says_is_done() {
 
     let stage = |handler_name: &str| {
         let mut s = topics.stage(builtin(0.0, 0.0));
-        s.brokers = brokers.clone();
         s.stage = handler_name.into();
         s.settings.shutdown_timeout_ms = Some(500);
-        // Kafka-legal (≥ 6 s: the mock rejects less, like a real broker); its classic
-        // rebalance then waits a few seconds for members.
-        s.kafka.insert("session.timeout.ms".into(), "6000".into());
-        s.kafka.insert("heartbeat.interval.ms".into(), "200".into());
         s
     };
 
@@ -70,13 +43,13 @@ async fn a_restart_skips_what_the_commit_metadata_says_is_done() {
         .await
         .unwrap();
     wait_until(Duration::from_secs(60), || {
-        let (offset, metadata) = committed(&brokers, &topics.group, &topics.input);
+        let (offset, metadata) = committed_with_metadata_on(&brokers, &topics.group, &topics.input);
         offset == 0 && offset_map::decode(0, &metadata).is_ok_and(|m| m.count() == 45)
     })
     .await
     .expect("the commit carries the map of the 45 finished records above offset 0");
     first.shutdown().await.unwrap();
-    let (offset, metadata) = committed(&brokers, &topics.group, &topics.input);
+    let (offset, metadata) = committed_with_metadata_on(&brokers, &topics.group, &topics.input);
     let map = offset_map::decode(offset, &metadata).unwrap();
     assert_eq!(offset, 0);
     for o in 0..50 {
@@ -93,30 +66,29 @@ async fn a_restart_skips_what_the_commit_metadata_says_is_done() {
         .await
         .unwrap();
     wait_until(Duration::from_secs(60), || {
-        committed(&brokers, &topics.group, &topics.input).0 == 50
+        committed_with_metadata_on(&brokers, &topics.group, &topics.input).0 == 50
     })
     .await
     .expect("the second worker finishes the partition");
     let skipped = second.metrics.replay_skipped.get();
     second.shutdown().await.unwrap();
-    let seen = fresh.seen.lock().unwrap();
-    let sessions: Vec<&String> = seen.attempts.keys().collect();
-    assert_eq!(
-        sessions,
-        vec!["session-000000"],
-        "only the unfinished session was replayed"
-    );
-    assert_eq!(seen.attempts["session-000000"].len(), 5);
+    {
+        let seen = fresh.seen.lock().unwrap();
+        let sessions: Vec<&String> = seen.attempts.keys().collect();
+        assert_eq!(
+            sessions,
+            vec!["session-000000"],
+            "only the unfinished session was replayed"
+        );
+        assert_eq!(seen.attempts["session-000000"].len(), 5);
+    }
     assert_eq!(skipped, 45);
+    topics.delete().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_map_too_large_for_metadata_holds_intake_until_it_shrinks() {
-    let MockKafka {
-        cluster: _cluster,
-        brokers,
-        topics,
-    } = MockKafka::new("overflow", 1, 1);
+    let (brokers, topics) = (brokers(), Topics::create("overflow", 1).await);
     // 30,000 sessions with one record each; every odd-numbered session is held in its handler
     // until the test opens the gate, so finished and unfinished offsets alternate: the map
     // needs ~30,000 runs or a 3,750-byte bitset — more than commit metadata may hold.
@@ -137,14 +109,7 @@ async fn a_map_too_large_for_metadata_holds_intake_until_it_shrinks() {
             gate.clone(),
         );
     let mut stage = topics.stage(builtin(0.0, 0.0));
-    stage.brokers = brokers.clone();
     stage.max_in_flight_per_partition = 100_000;
-    stage
-        .kafka
-        .insert("session.timeout.ms".into(), "6000".into());
-    stage
-        .kafka
-        .insert("heartbeat.interval.ms".into(), "200".into());
     let worker = sessionflow_worker::start(stage, handler).await.unwrap();
 
     // Once the map outgrows commit metadata the partition is held (possibly before all
@@ -162,7 +127,7 @@ async fn a_map_too_large_for_metadata_holds_intake_until_it_shrinks() {
     // The commit falls back to the plain watermark (no metadata) while the map is too large;
     // the watermark is offset 1, the first held record (s-000001).
     wait_until(Duration::from_secs(60), || {
-        committed(&brokers, &topics.group, &topics.input) == (1, String::new())
+        committed_with_metadata_on(&brokers, &topics.group, &topics.input) == (1, String::new())
     })
     .await
     .expect("plain watermark committed");
@@ -180,7 +145,7 @@ async fn a_map_too_large_for_metadata_holds_intake_until_it_shrinks() {
     // …and are once the held records finish and the map shrinks.
     gate.open();
     wait_until(Duration::from_secs(120), || {
-        committed(&brokers, &topics.group, &topics.input).0 == 31_000
+        committed_with_metadata_on(&brokers, &topics.group, &topics.input).0 == 31_000
     })
     .await
     .expect("intake resumed and the partition completed");
@@ -188,4 +153,5 @@ async fn a_map_too_large_for_metadata_holds_intake_until_it_shrinks() {
     assert_eq!(worker.metrics.map_overflow_partitions.get(), 0);
     assert_eq!(worker.metrics.records_out.get(), 31_000);
     worker.shutdown().await.unwrap();
+    topics.delete().await;
 }

@@ -4,7 +4,6 @@ use std::time::Duration;
 
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
-use rdkafka::mocking::MockCluster;
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use rdkafka::{Offset, TopicPartitionList};
 use sessionflow_operator::autoscale::{self, History, Policy, Signal};
@@ -99,7 +98,7 @@ async fn lag_is_exact_while_the_group_is_paused_and_replicas_follow_it() {
         assert_eq!(l.high, end[p], "partition {p} high watermark");
         assert_eq!(l.committed, Some(first[p]), "partition {p} committed");
         assert_eq!(l.lag(), end[p] - first[p], "partition {p} lag");
-        // nisshi drops commit metadata, so effective lag is plain lag here.
+        // No map was committed (empty metadata): effective lag is plain lag.
         assert_eq!(l.effective_lag(), l.lag());
         expected_total += end[p] - first[p];
     }
@@ -144,15 +143,14 @@ async fn lag_is_exact_while_the_group_is_paused_and_replicas_follow_it() {
     topics::delete(&brokers(), &[&topic]).await.unwrap();
 }
 
-/// Where commit metadata survives (librdkafka's mock cluster; nisshi drops it), the operator
-/// reads the completed-offset map and scales on the records really left.
+/// The operator reads the completed-offset map the workers commit as the offsets' metadata, and
+/// scales on the records really left.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn effective_lag_counts_out_records_the_commit_metadata_marks_done() {
-    let cluster = MockCluster::new(1).unwrap();
-    let bootstrap = cluster.bootstrap_servers();
+    let bootstrap = brokers();
     let topic = unique("op-effective");
     let group = unique("op-effective-group");
-    cluster.create_topic(&topic, 4, 1).unwrap();
+    topics::create(&bootstrap, &[&topic], 4).await.unwrap();
     let producer: BaseProducer = ClientConfig::new()
         .set("bootstrap.servers", &bootstrap)
         .create()
@@ -193,6 +191,8 @@ async fn effective_lag_counts_out_records_the_commit_metadata_marks_done() {
     };
     assert_eq!(autoscale::recommend(&p, &plain), 4);
     assert_eq!(autoscale::recommend(&p, &signal(&lags)), 2);
+    drop(committer);
+    topics::delete(&bootstrap, &[&topic]).await.unwrap();
 }
 
 /// A topic written by a transactional producer: one committed transaction of 10 records (its
