@@ -14,11 +14,12 @@
 #     `verify`: OK, nothing lost, no duplicate (nothing processed twice, see `scenario`); once
 #     more with exactly the operator's config;
 #   - /healthz, /readyz and /metrics answer from outside the container;
-#   - Kafka over TLS with SASL (SCRAM-SHA-512): the worker's librdkafka completes a TLS handshake
-#     with a listener holding a certificate of the test CA, given as the operator gives it
-#     (ssl.ca.location in the mounted Secret), and refuses it without that CA (nisshi has no TLS
-#     listener, so a Python `ssl` listener stands in: the handshake, OpenSSL in the image and
-#     the CA file, is the part the image can get wrong; SASL then runs inside that session);
+#   - Kafka over TLS with SASL (SCRAM-SHA-512): a node of Apache Kafka of its own
+#     (scripts/kafka.sh --sasl-ssl) whose certificate's CA is given as the operator gives it
+#     (ssl.ca.location in the mounted Secret, the SCRAM credentials as environment variables):
+#     the image's tools create topics and load them, the worker runs the records through, and
+#     `verify` reads them back, all over SASL_SSL; with the image's CA bundle only, the
+#     certificate is refused and the worker stays unready;
 #   - the HTTPS handler is refused when the CA is not trusted (the certificate is checked);
 #   - the tools (`sessionflow`: create-topics, loadgen, lag, verify, dlq-replay) run from the
 #     worker image too (`--entrypoint sessionflow`), hardened the same way;
@@ -64,9 +65,11 @@ work=$(mktemp -d)
 chmod 755 "$work"
 containers=()
 pids=()
+secured_kafka=0
 cleanup() {
   for c in "${containers[@]}"; do pod rm -f -t 0 "$c" >/dev/null 2>&1 || true; done
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  if ((secured_kafka)); then scripts/kafka.sh stop --port "$TLS_KAFKA_PORT" >/dev/null 2>&1 || true; fi
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -273,51 +276,60 @@ echo "  $(metric sessionflow_handler_duration_seconds_count 'outcome="transient"
 pod rm -f -t 0 "$name" >/dev/null
 
 step "Kafka over TLS + SASL (SCRAM-SHA-512) from the worker image"
-cat >"$work/tls_listener.py" <<'PY'
-# Stands in for a Kafka broker's TLS listener: one TLS handshake per connection, reported.
-import socket, ssl, sys
-port, cert, key = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-ctx.load_cert_chain(cert, key)
-with socket.create_server(("127.0.0.1", port)) as server:
-    while True:
-        conn, _ = server.accept()
-        try:
-            with ctx.wrap_socket(conn, server_side=True) as tls:
-                print(f"handshake OK: {tls.version()} {tls.cipher()[0]}", flush=True)
-        except (ssl.SSLError, OSError) as e:
-            print(f"handshake failed: {e}", flush=True)
-PY
-python3 -u "$work/tls_listener.py" "$TLS_KAFKA_PORT" "$work/server.crt" "$work/server.key" \
-  >>"$work/tls.log" 2>&1 &
-pids+=($!)
-# The Secret the operator mounts at /etc/sessionflow/kafka-tls, and the properties it renders.
+# A node of Apache Kafka of its own whose client listener speaks SASL_SSL with a certificate of a
+# CA made by scripts/kafka.sh, and a SCRAM user.
+scripts/kafka.sh start --port "$TLS_KAFKA_PORT" --sasl-ssl >/dev/null
+secured_kafka=1
+secure=$(scripts/kafka.sh secure-dir --port "$TLS_KAFKA_PORT")
+scram_user=$(sed -n 's/^sasl.username=//p' "$secure/client.properties")
+scram_password=$(sed -n 's/^sasl.password=//p' "$secure/client.properties")
+# The Secret the operator mounts at /etc/sessionflow/kafka-tls, the credentials it passes as
+# environment variables, and the properties it renders.
 mkdir -m 755 "$work/kafka-tls-secret"
-cp "$work/ca.crt" "$work/kafka-tls-secret/ca.crt"
+cp "$secure/ca.pem" "$work/kafka-tls-secret/ca.crt"
 chmod 644 "$work/kafka-tls-secret/ca.crt"
-kafka_tls() { # mode ssl.ca.location → waits for the listener to report a handshake
+SECRET=(-v "$work/kafka-tls-secret:$RENDERED_CONFIG_DIR/kafka-tls:ro"
+  -e "SESSIONFLOW_SASL_USERNAME=$scram_user" -e "SESSIONFLOW_SASL_PASSWORD=$scram_password")
+SECURED_BROKERS=127.0.0.1:$TLS_KAFKA_PORT
+secured_tool() { # subcommand args…: the image's tools against the secured node
+  local command=$1
+  shift
+  pod run --rm "${HARDENED[@]}" "${SECRET[@]}" --entrypoint /usr/local/bin/sessionflow \
+    "$WORKER_IMAGE" "$command" --brokers "$SECURED_BROKERS" -X security.protocol=SASL_SSL \
+    -X sasl.mechanism=SCRAM-SHA-512 -X "ssl.ca.location=$RENDERED_CONFIG_DIR/kafka-tls/ca.crt" "$@"
+}
+kafka_tls() { # mode ssl.ca.location: a worker on the secured node, started and left running
   write_config "$work/$1" "$1" "  builtin: {}" "  security.protocol: SASL_SSL
   sasl.mechanisms: SCRAM-SHA-512
   ssl.ca.location: $2"
-  sed -i "s|^brokers: .*|brokers: localhost:$TLS_KAFKA_PORT|" "$work/$1/stage.yaml"
+  sed -i "s|^brokers: .*|brokers: $SECURED_BROKERS|" "$work/$1/stage.yaml"
   mkdir -m 755 "$work/$1/kafka-tls" # the mount point, as the kubelet makes it
-  local name=sf-image-test-$1-$RUN
-  containers+=("$name")
-  : >"$work/tls.log"
-  pod run -d --name "$name" "${HARDENED[@]}" -v "$work/$1:$RENDERED_CONFIG_DIR:ro" \
-    -v "$work/kafka-tls-secret:$RENDERED_CONFIG_DIR/kafka-tls:ro" \
-    -e SESSIONFLOW_SASL_USERNAME=user -e SESSIONFLOW_SASL_PASSWORD=secret \
-    "$WORKER_IMAGE" "${RENDERED_ARGS[@]}" >/dev/null
-  wait_for 60 "a TLS handshake from the worker's librdkafka" grep -q handshake "$work/tls.log"
-  pod rm -f -t 0 "$name" >/dev/null
-  head -n1 "$work/tls.log"
+  containers+=("sf-image-test-$1-$RUN")
+  pod run -d --name "sf-image-test-$1-$RUN" "${HARDENED[@]}" \
+    -v "$work/$1:$RENDERED_CONFIG_DIR:ro" "${SECRET[@]}" "$WORKER_IMAGE" "${RENDERED_ARGS[@]}" \
+    >/dev/null
 }
-result=$(kafka_tls kafkatls "$RENDERED_CONFIG_DIR/kafka-tls/ca.crt")
-[[ $result == "handshake OK"* ]] || fail "Kafka TLS with the mounted CA: $result"
-echo "  CA from the mounted Secret: $result"
-result=$(kafka_tls kafkatls-untrusted /etc/ssl/certs/ca-certificates.crt)
-[[ $result == "handshake failed"* ]] || fail "Kafka TLS accepted a certificate of an untrusted CA"
-echo "  the image's CA bundle only: $result"
+# With the CA of the mounted Secret: records go through the whole stage, verified.
+in=img-kafkatls-$RUN
+secured_tool create-topics --partitions 4 "$in" "$in.out" "$in.dlq" >/dev/null
+secured_tool loadgen --topic "$in" --records 1000 --sessions 20 --seed 7 >/dev/null
+kafka_tls kafkatls "$RENDERED_CONFIG_DIR/kafka-tls/ca.crt"
+wait_for 60 "/readyz of the worker on SASL_SSL" ready
+secured_tool lag --group "sessionflow.image-test.kafkatls.$RUN" --topic "$in" --wait-zero \
+  --timeout-secs 120 >/dev/null 2>&1 || fail "Kafka over SASL_SSL: lag never reached 0"
+report=$(secured_tool verify --topic "$in.out" --input "$in" --dlq "$in.dlq" --timeout-secs 60) ||
+  { echo "$report" >&2; fail "Kafka over SASL_SSL: verify"; }
+grep -qE '^verdict +OK' <<<"$report" || { echo "$report" >&2; fail "Kafka over SASL_SSL: verify"; }
+echo "  CA from the mounted Secret: 1000 records through the stage, verify OK"
+pod rm -f -t 0 "sf-image-test-kafkatls-$RUN" >/dev/null
+# With the image's CA bundle only, the node's certificate is refused: librdkafka says so, and
+# the worker stays unready.
+kafka_tls kafkatls-untrusted /etc/ssl/certs/ca-certificates.crt
+refused() { pod logs "sf-image-test-kafkatls-untrusted-$RUN" 2>&1 | grep -q 'certificate verify failed'; }
+wait_for 60 "librdkafka to refuse the node's certificate" refused
+ready && fail "a worker that cannot verify the node's certificate is ready"
+echo "  the image's CA bundle only: certificate verify failed, /readyz $(http_code "http://127.0.0.1:$METRICS_PORT/readyz")"
+pod rm -f -t 0 "sf-image-test-kafkatls-untrusted-$RUN" >/dev/null
 
 step "operator image: crd"
 pod run --rm "${HARDENED[@]}" "$OPERATOR_IMAGE" crd >"$work/crd.yaml"
