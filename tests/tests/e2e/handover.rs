@@ -11,9 +11,7 @@
 
 use std::time::Duration;
 
-use sessionflow_tests::{
-    verify_pipeline, wait_committed_to_end_on, wait_until, MockKafka, Topics, WorkerProcess,
-};
+use sessionflow_tests::{verify_pipeline, wait_until, Topics, WorkerProcess};
 use sessionflow_tools::loadgen::{self, LoadgenOptions, SessionChoice};
 
 /// Short sessions whose first attempts are often 12 × the drain timeout: when a partition
@@ -143,18 +141,18 @@ async fn a_member_frozen_past_its_session_timeout_drops_its_lost_partitions() {
 async fn a_worker_stopped_with_results_on_their_way_gives_them_up_before_leaving() {
     const SESSIONS: u64 = 40;
     const PER_SESSION: u64 = 120;
-    let mock = MockKafka::new("stop-lingering", 1, 4);
+    let topics = Topics::create("stop-lingering", 4).await;
     let opts = LoadgenOptions {
         choice: SessionChoice::RoundRobin,
         ..LoadgenOptions::new(
-            &mock.brokers,
-            &mock.topics.input,
+            &sessionflow_tests::brokers(),
+            &topics.input,
             SESSIONS * PER_SESSION,
             SESSIONS,
         )
     };
     loadgen::run(&opts).await.expect("loadgen");
-    let yaml = mock.stage_yaml(
+    let yaml = topics.stage_yaml(
         "{latencyMs: 5, seed: 5}",
         "rebalance: {strategy: cooperative, drainTimeoutMs: 500}\nshutdownTimeoutMs: 2000",
     );
@@ -165,7 +163,7 @@ async fn a_worker_stopped_with_results_on_their_way_gives_them_up_before_leaving
     let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
     // Both hold partitions; `b`'s sessions make progress, `a`'s wait for their first results.
     wait_until(Duration::from_secs(90), || {
-        read_log().contains("partition assigned") && mock.output_count() >= 600
+        read_log().contains("partition assigned") && topics.output_count() >= 600
     })
     .await
     .unwrap_or_else(|()| panic!("both workers take partitions; `a` said:\n{}", read_log()));
@@ -186,11 +184,9 @@ async fn a_worker_stopped_with_results_on_their_way_gives_them_up_before_leaving
         stopped.success(),
         "the stopped worker exits 0, got {stopped}"
     );
-    wait_committed_to_end_on(&mock.brokers, &mock.topics, Duration::from_secs(180))
-        .await
-        .expect("the remaining worker drains the input");
+    topics.wait_fully_committed(Duration::from_secs(180)).await;
     assert!(b.terminate().success());
-    let report = mock.verify();
+    let report = verify_pipeline(&topics);
     eprintln!("stopped with results on their way:\n{report}");
     assert_eq!(report.stale_ends, 0, "{report}");
     assert!(report.is_ok(), "{report}");
@@ -199,6 +195,7 @@ async fn a_worker_stopped_with_results_on_their_way_gives_them_up_before_leaving
         SESSIONS * PER_SESSION,
         "{report}"
     );
+    topics.delete().await;
 }
 
 /// A member serves its rebalance however many events are waiting before it. librdkafka's log
@@ -212,26 +209,36 @@ async fn a_worker_stopped_with_results_on_their_way_gives_them_up_before_leaving
 /// Here worker `a` has librdkafka log everything it can (`debug: all`, and the worker's log
 /// level lets librdkafka's debug lines through) while worker `b` joins an eager group: `a`
 /// must give its partitions up with a revocation — not find them lost later — and no session
-/// may end on an older record.
+/// may end on an older record. Apache Kafka waits for a member's rejoin up to its
+/// `max.poll.interval.ms` (5 min by default): 10 s here, so that a revocation held back by
+/// the flood costs the member its partitions, as in the chaos run (one event per turn held it
+/// back for ~60 s on this test's flood).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_flooded_with_log_events_serves_its_rebalance_in_time() {
     const SESSIONS: u64 = 20;
     const RECORDS: u64 = 3_000;
-    let mock = MockKafka::new("event-flood", 1, 4);
+    let topics = Topics::create("event-flood", 4).await;
     let produce = |seed: u64| {
         let opts = LoadgenOptions {
             choice: SessionChoice::RoundRobin,
             seed,
             session_prefix: format!("s{seed}-"),
-            ..LoadgenOptions::new(&mock.brokers, &mock.topics.input, RECORDS, SESSIONS)
+            ..LoadgenOptions::new(
+                &sessionflow_tests::brokers(),
+                &topics.input,
+                RECORDS,
+                SESSIONS,
+            )
         };
         async move { loadgen::run(&opts).await.expect("loadgen") }
     };
     produce(1).await;
-    let yaml = mock.stage_yaml(
-        "{latencyMs: 20, seed: 6}",
-        "rebalance: {strategy: eager, drainTimeoutMs: 500}",
-    );
+    let yaml = topics
+        .stage_yaml(
+            "{latencyMs: 20, seed: 6}",
+            "rebalance: {strategy: eager, drainTimeoutMs: 500}",
+        )
+        .replace("kafka:\n", "kafka:\n  max.poll.interval.ms: '10000'\n");
     let flooded = yaml.replace("kafka:\n", "kafka:\n  debug: all\n");
     assert_ne!(flooded, yaml, "the config has a kafka section");
     // librdkafka emits only what the worker's log level lets through.
@@ -239,15 +246,15 @@ async fn a_member_flooded_with_log_events_serves_its_rebalance_in_time() {
     let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
     // `a` works through the first records, then idles: its loop turns slowly, and events
     // pile up faster than one a turn before `b` comes.
-    wait_until(Duration::from_secs(90), || mock.output_count() >= RECORDS)
-        .await
-        .unwrap_or_else(|()| panic!("`a` makes progress; it said:\n{}", read_log()));
+    wait_until(Duration::from_secs(90), || {
+        topics.output_count() >= RECORDS as i64
+    })
+    .await
+    .unwrap_or_else(|()| panic!("`a` makes progress; it said:\n{}", read_log()));
     tokio::time::sleep(Duration::from_secs(5)).await;
     let b = WorkerProcess::spawn(&yaml);
     produce(2).await;
-    wait_committed_to_end_on(&mock.brokers, &mock.topics, Duration::from_secs(180))
-        .await
-        .expect("the group drains the input");
+    topics.wait_fully_committed(Duration::from_secs(180)).await;
     let stopped_a = a.terminate();
     assert!(b.terminate().success());
     let said = read_log();
@@ -276,7 +283,7 @@ async fn a_member_flooded_with_log_events_serves_its_rebalance_in_time() {
         first("partition revoked") < first("stop requested"),
         "`a` hands partitions over when `b` joins, before it is stopped"
     );
-    let report = mock.verify();
+    let report = verify_pipeline(&topics);
     eprintln!("a member flooded with log events:\n{report}");
     assert_eq!(report.stale_ends, 0, "{report}");
     assert!(report.is_ok(), "{report}");
@@ -285,6 +292,7 @@ async fn a_member_flooded_with_log_events_serves_its_rebalance_in_time() {
         2 * RECORDS,
         "{report}"
     );
+    topics.delete().await;
 }
 
 /// A worker process logging at `level` to a file of its own (named after `name`), for a test
