@@ -1,4 +1,5 @@
-//! The membership fence (RELIABILITY.md, footnote 9), against librdkafka's mock cluster.
+//! The membership fence (RELIABILITY.md, footnote 9): a silent coordinator on librdkafka's mock
+//! cluster, and a consumer loop blocked on one on Apache Kafka behind the tests' relay.
 //!
 //! A member whose group coordinator stops answering must stop writing before the coordinator
 //! could give its partitions to another member, and go on once it answers again. In the field
@@ -20,8 +21,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+use sessionflow_tests::relay::{broker_behind_relay, OFFSET_COMMIT, OFFSET_FETCH};
 use sessionflow_tests::{
-    end_offsets_on, wait_committed_to_end_on, wait_until, MockKafka, WorkerProcess,
+    end_offsets_on, unique, verify_on, wait_committed_to_end_on, wait_until, MockKafka, Topics,
+    WorkerProcess,
 };
 use sessionflow_tools::loadgen::{self, LoadgenOptions, SessionChoice};
 
@@ -36,6 +39,9 @@ const OUTPUT_BROKER: i32 = 2;
 /// After how much silence no write may start: the fence's 4 s (⅔ of the session timeout),
 /// plus a second for the last commit before the silence and the loop's turn.
 const FENCED_AFTER: Duration = Duration::from_secs(5);
+/// Ports of the blocked-loop test's broker: 19570 … 19573, the relay on 19573 (see
+/// `late_writes.rs` and `slow_transaction_calls.rs` for the other relayed brokers' ports).
+const BLOCKED_PORT: u16 = 19570;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_the_coordinator_stops_answering_stops_writing_until_it_answers_again() {
@@ -138,30 +144,47 @@ fn output_create_times(brokers: &str, topic: &str) -> Vec<i64> {
 
 /// The fence is judged on a timer of its own, not only by the consumer loop, whose thread
 /// blocks for seconds at a time in librdkafka calls: here the committed offsets an assignment
-/// reads (OffsetFetch, which the coordinator's silence leaves unanswered for 10 s), the same
-/// way as the synchronous commit of a revocation while other partitions keep writing. The
-/// gate must close while the loop is still blocked: the worker says "writes stop" before it
-/// says "partition assigned" (which it logs once the read returns). Judged by the loop alone,
-/// the gate closed only after the block, when the loop ran again.
+/// reads (OffsetFetch, which the coordinator's silence leaves unanswered until the worker's
+/// 10 s read times out), the same way as the synchronous commit of a revocation while other
+/// partitions keep writing. The gate must close while the loop is still blocked: the worker
+/// says "writes stop" before it says "partition assigned" (which it logs once the read
+/// returns). Judged by the loop alone, the gate closed only after the block, when the loop ran
+/// again (seen fail that way with the fence's own thread not judging).
+///
+/// On Apache Kafka, a node of the test's own behind the relay (`relay`), which holds the
+/// offset requests from the worker's start: the coordinator's connection hangs, heartbeats
+/// behind them too, so Kafka times the member's session out meanwhile (its partitions are
+/// then lost, and it joins again once the relay lets the requests through).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gate_closes_while_the_consumer_loop_is_blocked() {
-    let mock = MockKafka::new("fence-blocked", 1, PARTITIONS);
+    let (relay, cluster) = broker_behind_relay(BLOCKED_PORT).await;
+    let brokers = cluster.bootstrap.clone();
+    let topics = Topics {
+        input: unique("fence-blocked-in"),
+        output: unique("fence-blocked-out"),
+        dlq: unique("fence-blocked-dlq"),
+        group: unique("fence-blocked"),
+    };
+    cluster
+        .create_topics(&[
+            (&topics.input, PARTITIONS),
+            (&topics.output, PARTITIONS),
+            (&topics.dlq, 1),
+        ])
+        .await;
     const BLOCKED_RECORDS: u64 = 2_000;
     let opts = LoadgenOptions {
         choice: SessionChoice::RoundRobin,
-        ..LoadgenOptions::new(&mock.brokers, &mock.topics.input, BLOCKED_RECORDS, 50)
+        ..LoadgenOptions::new(&brokers, &topics.input, BLOCKED_RECORDS, 50)
     };
     loadgen::run(&opts).await.expect("loadgen");
     // Silent from the start: the worker's first assignment reads its committed offsets into
-    // the silence (librdkafka retries the timed-out requests until it gives up, 10 s on).
-    let errors = [RDKafkaRespErr::RD_KAFKA_RESP_ERR_REQUEST_TIMED_OUT; 2_000];
-    mock.cluster
-        .request_errors(RDKafkaApiKey::OffsetCommit, &errors);
-    mock.cluster
-        .request_errors(RDKafkaApiKey::OffsetFetch, &errors);
-    let log = std::env::temp_dir().join(sessionflow_tests::unique("fence-blocked") + ".log");
+    // the silence, which holds the coordinator's connection (its heartbeats too) until the
+    // relay lets the requests through.
+    relay.hold(&[OFFSET_FETCH, OFFSET_COMMIT]);
+    let log = std::env::temp_dir().join(unique("fence-blocked") + ".log");
     let worker = WorkerProcess::spawn_logging_at(
-        &mock.stage_yaml("{seed: 5}", ""),
+        &topics.stage_yaml_on(&brokers, "{seed: 5}", ""),
         &[],
         std::fs::File::create(&log).expect("log file").into(),
         "sessionflow_worker=info",
@@ -172,14 +195,16 @@ async fn the_gate_closes_while_the_consumer_loop_is_blocked() {
         said.contains("writes stop") && said.contains("partition assigned")
     })
     .await;
-    mock.cluster
-        .clear_request_errors(RDKafkaApiKey::OffsetCommit);
-    mock.cluster
-        .clear_request_errors(RDKafkaApiKey::OffsetFetch);
+    let fetches_held = relay.requests_seen(OFFSET_FETCH);
+    relay.release(&[OFFSET_FETCH, OFFSET_COMMIT]);
     let said = read_log();
     let intake: Vec<&str> = said.lines().filter(|l| l.contains("intake")).collect();
-    eprintln!("the worker said:\n{}", intake.join("\n"));
+    eprintln!(
+        "offset fetches held: {fetches_held}; the worker said:\n{}",
+        intake.join("\n")
+    );
     both.expect("the worker never both closed its gate and finished its assignment");
+    assert!(fetches_held > 0, "the assignment read no committed offset");
     let closed = said.find("writes stop").expect("closed");
     let assigned = said.find("partition assigned").expect("assigned");
     assert!(
@@ -188,12 +213,12 @@ async fn the_gate_closes_while_the_consumer_loop_is_blocked() {
     );
 
     // And once the coordinator answers: writes resume, nothing lost.
-    wait_committed_to_end_on(&mock.brokers, &mock.topics, Duration::from_secs(120))
+    wait_committed_to_end_on(&brokers, &topics, Duration::from_secs(120))
         .await
         .unwrap_or_else(|(committed, end)| panic!("committed {committed:?} never reached {end:?}"));
     let _ = std::fs::remove_file(&log);
     assert!(worker.terminate().success());
-    let report = mock.verify();
+    let report = verify_on(&brokers, &topics);
     eprintln!("{report}");
     assert!(report.is_ok(), "{report}");
     assert_eq!(
