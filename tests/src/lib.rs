@@ -53,14 +53,20 @@ pub struct Topics {
 }
 
 impl Topics {
-    pub async fn create(name: &str, partitions: i32) -> Self {
-        init_telemetry();
-        let t = Self {
+    /// Names no other test uses (`<name>-in-…`, `-out-`, `-dlq-`, `-group-`), nothing created:
+    /// for a cluster of the test's own, which creates them its way.
+    pub fn named(name: &str) -> Self {
+        Self {
             input: unique(&format!("{name}-in")),
             output: unique(&format!("{name}-out")),
             dlq: unique(&format!("{name}-dlq")),
             group: unique(&format!("{name}-group")),
-        };
+        }
+    }
+
+    pub async fn create(name: &str, partitions: i32) -> Self {
+        init_telemetry();
+        let t = Self::named(name);
         sessionflow_worker::kafka::topics::create(&brokers(), &[&t.input, &t.output], partitions)
             .await
             .expect("create topics");
@@ -892,12 +898,7 @@ impl MockKafka {
     pub fn new(name: &str, brokers: i32, partitions: i32) -> Self {
         init_telemetry();
         let cluster = rdkafka::mocking::MockCluster::new(brokers).expect("mock cluster");
-        let topics = Topics {
-            input: unique(&format!("{name}-in")),
-            output: unique(&format!("{name}-out")),
-            dlq: unique(&format!("{name}-dlq")),
-            group: unique(&format!("{name}-group")),
-        };
+        let topics = Topics::named(name);
         let replication = brokers.min(3);
         for t in [&topics.input, &topics.output] {
             cluster

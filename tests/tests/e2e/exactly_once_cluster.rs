@@ -27,7 +27,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{ClientConfig, TopicPartitionList};
-use sessionflow_tests::{unique, wait_until, ScriptCluster, Topics, WorkerProcess};
+use sessionflow_tests::{wait_until, ScriptCluster, Topics, WorkerProcess};
 use sessionflow_tools::verify::{read_topic, SeqRecord};
 use sessionflow_worker::config::BuiltinHandlerConfig;
 use sessionflow_worker::handler::builtin::BuiltinHandler;
@@ -55,12 +55,7 @@ async fn an_exactly_once_stage_on_three_nodes_survives_a_join_a_freeze_a_kill_an
     let began = Instant::now();
     let cluster = ScriptCluster::start(PORT, &["--nodes", "3"]);
     let brokers = cluster.bootstrap.clone();
-    let topics = Topics {
-        input: unique("eos3-in"),
-        output: unique("eos3-out"),
-        dlq: unique("eos3-dlq"),
-        group: unique("eos3-group"),
-    };
+    let topics = Topics::named("eos3");
     create_topics(&brokers, &topics).await;
 
     let input = Input::start(&brokers, &topics.input);

@@ -325,12 +325,7 @@ impl WorkerRun {
     /// barrier while writes are held.
     async fn start(port: u16, name: &str, extra: &str, setting: (&str, &str)) -> Self {
         let (relay, cluster) = broker_behind_relay(port).await;
-        let topics = Topics {
-            input: unique(&format!("{name}-in")),
-            output: unique(&format!("{name}-out")),
-            dlq: unique(&format!("{name}-dlq")),
-            group: unique(name),
-        };
+        let topics = Topics::named(name);
         cluster
             .create_topics(&[(&topics.input, 4), (&topics.output, 4), (&topics.dlq, 1)])
             .await;

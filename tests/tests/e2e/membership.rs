@@ -159,12 +159,7 @@ fn output_create_times(brokers: &str, topic: &str) -> Vec<i64> {
 async fn the_gate_closes_while_the_consumer_loop_is_blocked() {
     let (relay, cluster) = broker_behind_relay(BLOCKED_PORT).await;
     let brokers = cluster.bootstrap.clone();
-    let topics = Topics {
-        input: unique("fence-blocked-in"),
-        output: unique("fence-blocked-out"),
-        dlq: unique("fence-blocked-dlq"),
-        group: unique("fence-blocked"),
-    };
+    let topics = Topics::named("fence-blocked");
     cluster
         .create_topics(&[
             (&topics.input, PARTITIONS),

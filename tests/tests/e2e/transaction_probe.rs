@@ -27,12 +27,7 @@ const METRICS_PORT: u16 = 19527;
 async fn broker_with(settings: &[&str], name: &str) -> (ScriptCluster, Topics) {
     let args: Vec<&str> = settings.iter().flat_map(|s| ["--set", *s]).collect();
     let cluster = ScriptCluster::start(PORT, &args);
-    let topics = Topics {
-        input: unique(&format!("{name}-in")),
-        output: unique(&format!("{name}-out")),
-        dlq: unique(&format!("{name}-dlq")),
-        group: unique(&format!("{name}-group")),
-    };
+    let topics = Topics::named(name);
     cluster
         .create_topics(&[(&topics.input, 2), (&topics.output, 2), (&topics.dlq, 1)])
         .await;

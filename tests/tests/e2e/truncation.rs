@@ -17,7 +17,7 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::ClientConfig;
 use sessionflow_tests::{
-    committed_offsets_on, end_offsets_on, kafka_script, unique, wait_until, ScriptCluster, Topics,
+    committed_offsets_on, end_offsets_on, kafka_script, wait_until, ScriptCluster, Topics,
     WorkerProcess,
 };
 use sessionflow_tools::loadgen::{self, LoadgenOptions, SessionChoice};
@@ -36,12 +36,7 @@ const REWRITTEN: u64 = 80;
 async fn records_rewritten_under_offsets_already_taken_in_are_processed_not_skipped() {
     let cluster = ScriptCluster::start(PORT, &["--nodes", "3"]);
     let brokers = cluster.bootstrap.clone();
-    let topics = Topics {
-        input: unique("truncated-in"),
-        output: unique("truncated-out"),
-        dlq: unique("truncated-dlq"),
-        group: unique("truncated-group"),
-    };
+    let topics = Topics::named("truncated");
     // Node ids are 1-based (node 0 of kafka.sh is id 1). The input on ids 1 and 2, unclean
     // election allowed; output and DLQ on id 3 alone, which stays up throughout.
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
