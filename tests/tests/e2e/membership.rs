@@ -151,10 +151,10 @@ fn output_create_times(brokers: &str, topic: &str) -> Vec<i64> {
 /// returns). Judged by the loop alone, the gate closed only after the block, when the loop ran
 /// again (seen fail that way with the fence's own thread not judging).
 ///
-/// On Apache Kafka, a node of the test's own behind the relay (`relay`), which holds the
-/// offset requests from the worker's start: the coordinator's connection hangs, heartbeats
-/// behind them too, so Kafka times the member's session out meanwhile (its partitions are
-/// then lost, and it joins again once the relay lets the requests through).
+/// On Apache Kafka, a node of the test's own behind the tests' relay (`relay.rs`), which
+/// holds the offset requests from the worker's start: the coordinator's connection hangs,
+/// heartbeats behind them too, so Kafka times the member's session out meanwhile (its
+/// partitions are then lost, and it joins again once the relay lets the requests through).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gate_closes_while_the_consumer_loop_is_blocked() {
     let (relay, cluster) = broker_behind_relay(BLOCKED_PORT).await;
