@@ -20,7 +20,7 @@
 //! A commit is done when the broker says so: commits are synchronous, sent by the commit
 //! thread (see `committer`) or, for a revocation's and the shutdown's final commit, by the loop
 //! itself; every answer goes back to the offset tracker, which sends unconfirmed watermarks
-//! again.
+//! again — an early one not at once after a refusal (see `commit_backoff`).
 //!
 //! Every turn, and every check of a drain, also judges the membership fence (see
 //! `membership`): when the group coordinator has been silent too long, writes stop and the
@@ -32,6 +32,7 @@
 //! `transactional`.
 
 mod book;
+mod commit_backoff;
 mod fence_timer;
 pub mod fetched;
 pub mod kafka_epoch;
@@ -78,6 +79,7 @@ use crate::output::producer::StageProducer;
 use crate::record::DlqReason;
 use crate::record::{InputRecord, Lease};
 use crate::session::settle::{Outcome, Settler};
+use commit_backoff::CommitBackoff;
 
 /// How long an idle loop waits for records before it serves events and chores again.
 const POLL_TIMEOUT: Duration = Duration::from_millis(20);
@@ -231,6 +233,7 @@ impl IntakeLoop {
         let mut last_prefetch_read = Instant::now();
         let mut last_fenced_check = Instant::now();
         let mut last_answer = Instant::now();
+        let mut backoff = CommitBackoff::default();
         while !self.stopping() {
             self.ctx().health.beat();
             crate::ops::memory::hand_back_cache_after_trim();
@@ -271,8 +274,9 @@ impl IntakeLoop {
             // A commit's answer first, then what it and the completions changed (parked
             // records handed on, held partitions let go), then the take: a partition the answer
             // gave room takes in the same turn, which the early commit's gather counts on.
-            if self.take_commit_answers() {
+            if let Some(refused) = self.take_commit_answers() {
                 last_answer = Instant::now();
+                backoff.answered(refused > 0);
             }
             let (holding, released) = self.relieve_pressure();
             took |= self.take_from_partitions(&queues);
@@ -281,11 +285,14 @@ impl IntakeLoop {
             // (the cap counts from the last confirmed commit, so commits must keep up;
             // three quarters in exactlyOnce, see `Book::commit_urgent`) once the records
             // taken since the last answer are done, or a short while after it
-            // (`Book::early_commit_gathered`).
+            // (`Book::early_commit_gathered`); after refused commits, not before the backoff's
+            // wait (`CommitBackoff`).
             let interval = last_commit.elapsed() >= self.ctx().settings.commit_interval;
             if interval || {
                 let book = self.ctx().book();
-                book.early_commit_gathered(last_answer.elapsed())
+                let since_answer = last_answer.elapsed();
+                since_answer >= backoff.early_wait()
+                    && book.early_commit_gathered(since_answer)
                     && book.commit_urgent(
                         self.ctx().settings.max_in_flight_per_partition,
                         self.producer.transactions().is_some(),
@@ -625,17 +632,15 @@ impl IntakeLoop {
         }
     }
 
-    /// Takes the commit thread's answer, if one has arrived, into the tracker. True when one
-    /// had.
-    fn take_commit_answers(&self) -> bool {
-        let answer = self.committer.borrow_mut().answer();
-        let Some(a) = answer else {
-            return false;
-        };
+    /// Takes the commit thread's answer, if one has arrived, into the tracker: how many of its
+    /// partitions were refused.
+    fn take_commit_answers(&self) -> Option<usize> {
+        let a = self.committer.borrow_mut().answer()?;
         let ctx = self.ctx();
-        ctx.book()
-            .commit_answered(&a.result, &a.offsets, &ctx.metrics);
-        true
+        Some(
+            ctx.book()
+                .commit_answered(&a.result, &a.offsets, &ctx.metrics),
+        )
     }
 
     /// Blocks (with retries) until the input topic exists. False when stopped meanwhile.
