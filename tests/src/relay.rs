@@ -8,9 +8,12 @@
 //! not hold one request kind while the transaction coordinator's requests go through, so this
 //! relay reads the client's bytes as Kafka frames (a 4-byte length, then the request, whose
 //! first two bytes are its API key) and only ever forwards them whole and in order. It never
-//! answers, changes or drops anything: it is a wire with a valve, not a broker. Other kinds of
-//! request can be held the same way (the group coordinator's offset requests: a coordinator
-//! that stops answering; a transaction coordinator's `EndTxn`: an abort that waits).
+//! changes or drops anything, and answers one thing only, when told to: other kinds of request
+//! can be held the same way (the group coordinator's offset requests: a coordinator that stops
+//! answering; a transaction coordinator's `EndTxn`: an abort that waits); the node's answers
+//! can be delayed (a slow link or a slow broker: every round trip longer); and an
+//! `OffsetCommit` can be refused with an error code instead of forwarded (a coordinator loading,
+//! moving or rebalancing the group: [`offset_commit`]), which the node then never sees.
 //!
 //! Clients reach it as the node's advertised address (`scripts/kafka.sh start --proxied`
 //! advertises port P+3 for the node on P).
@@ -18,11 +21,15 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 use tokio::task::AbortHandle;
+use tokio::time::Instant;
+
+mod offset_commit;
 
 /// Kafka's API keys of the requests tests hold.
 pub const PRODUCE: i16 = 0;
@@ -39,13 +46,43 @@ pub struct Relay {
     seen_by_key: Arc<Mutex<HashMap<i16, usize>>>,
     /// How many produce requests were forwarded: the n-th (from 0) waits until n were.
     forwarded: watch::Sender<usize>,
+    /// How much later than it came each answer of the node goes back to its client.
+    delay: watch::Sender<Duration>,
+    refusals: Arc<Mutex<Refusals>>,
     tasks: Arc<Mutex<Vec<AbortHandle>>>,
+}
+
+/// The `OffsetCommit` requests to answer with an error code instead of forwarding.
+#[derive(Default)]
+struct Refusals {
+    /// The error code, and how many more requests get it.
+    pending: Option<(i16, usize)>,
+    /// How many were refused so far.
+    refused: usize,
+}
+
+impl Refusals {
+    /// The error code for the next `OffsetCommit`, if it is to be refused; counts it.
+    fn next(&mut self) -> Option<i16> {
+        let (code, left) = self.pending.as_mut()?;
+        let code = *code;
+        *left -= 1;
+        if *left == 0 {
+            self.pending = None;
+        }
+        self.refused += 1;
+        Some(code)
+    }
 }
 
 /// A broker of its own behind a relay: `scripts/kafka.sh start --proxied` on `port` … `port +
 /// 3`, which advertises `port + 3`, where the relay listens. The relay starts first: the script
 /// reaches the broker at its advertised address to see it ready. From a multi-thread runtime
 /// (the script blocks while the broker starts).
+///
+/// The e2e tests' relayed nodes take four ports each from: 19530, 19540, 19550 (`late_writes`),
+/// 19560 (`slow_transaction_calls`), 19570 (`membership`), 19580 … 19596 (`commit_outage`) and
+/// 19600 … 19608 (`faults`).
 pub async fn broker_behind_relay(port: u16) -> (Relay, crate::ScriptCluster) {
     let relay = Relay::start(
         &format!("127.0.0.1:{}", port + 3),
@@ -64,19 +101,24 @@ impl Relay {
             .unwrap_or_else(|e| panic!("the relay cannot listen on {listen}: {e}"));
         let (holding, _) = watch::channel(HashSet::new());
         let (forwarded, _) = watch::channel(0);
+        let (delay, _) = watch::channel(Duration::ZERO);
         let relay = Self {
             holding,
             produce_seen: Arc::default(),
             seen_by_key: Arc::default(),
             forwarded,
+            delay,
+            refusals: Arc::default(),
             tasks: Arc::default(),
         };
-        let (node, holding, seen, by_key, forwarded, tasks) = (
+        let (node, holding, seen, by_key, forwarded, delay, refusals, tasks) = (
             node.to_string(),
             relay.holding.clone(),
             relay.produce_seen.clone(),
             relay.seen_by_key.clone(),
             relay.forwarded.clone(),
+            relay.delay.clone(),
+            relay.refusals.clone(),
             relay.tasks.clone(),
         );
         let accept = tokio::spawn(async move {
@@ -91,6 +133,8 @@ impl Relay {
                     seen: seen.clone(),
                     by_key: by_key.clone(),
                     forwarded: forwarded.clone(),
+                    delay: delay.subscribe(),
+                    refusals: refusals.clone(),
                 };
                 for handle in connect(client, upstream, order) {
                     tasks.lock().unwrap().push(handle);
@@ -112,6 +156,29 @@ impl Relay {
     pub fn release(&self, api_keys: &[i16]) {
         self.holding
             .send_modify(|held| held.retain(|k| !api_keys.contains(k)));
+    }
+
+    /// From now on, each answer of the node reaches its client `by` later than it left the
+    /// node (`Duration::ZERO`: as it comes). Answers keep their order.
+    pub fn delay_answers(&self, by: Duration) {
+        self.delay.send_replace(by);
+    }
+
+    /// The next `times` `OffsetCommit` requests, from any client, are answered by the relay
+    /// with `error_code` for every partition they name, and never reach the node (after the
+    /// answers to what their connection sent before them, as a broker answers in order).
+    pub fn refuse_offset_commits(&self, error_code: i16, times: usize) {
+        self.refusals.lock().unwrap().pending = (times > 0).then_some((error_code, times));
+    }
+
+    /// Forwards `OffsetCommit` requests again, however many refusals were left.
+    pub fn accept_offset_commits(&self) {
+        self.refusals.lock().unwrap().pending = None;
+    }
+
+    /// How many `OffsetCommit` requests the relay has refused so far.
+    pub fn offset_commits_refused(&self) -> usize {
+        self.refusals.lock().unwrap().refused
     }
 
     /// How many produce requests clients have sent through the relay so far (held or not).
@@ -147,34 +214,38 @@ struct Order {
     /// Requests read so far, by API key.
     by_key: Arc<Mutex<HashMap<i16, usize>>>,
     forwarded: watch::Sender<usize>,
+    delay: watch::Receiver<Duration>,
+    refusals: Arc<Mutex<Refusals>>,
 }
 
 /// Relays one connection: the client's frames are read as they come (so that every request it
 /// has sent is counted) and written to the node in order, each when the relay does not hold its
-/// kind, and a produce request only once every earlier one is forwarded; the node's bytes go
-/// back as they are.
-fn connect(client: TcpStream, upstream: TcpStream, order: Order) -> [AbortHandle; 3] {
+/// kind, and a produce request only once every earlier one is forwarded — or, for an
+/// `OffsetCommit` the relay is told to refuse, answered here once the node has answered what
+/// was forwarded before it. The node's answers go back whole and in order, each when the
+/// relay's delay has passed since it came.
+///
+/// Every request forwarded is taken to be answered (no producer with `acks=0` goes through the
+/// relay): a refusal waits for the node's answers to all of them.
+fn connect(client: TcpStream, upstream: TcpStream, order: Order) -> [AbortHandle; 4] {
     let Order {
         mut holding,
         seen,
         by_key,
         forwarded,
+        delay,
+        refusals,
     } = order;
-    let (mut from_client, mut to_client) = client.into_split();
+    let (mut from_client, to_client) = client.into_split();
     let (mut from_node, mut to_node) = upstream.into_split();
+    let to_client = Arc::new(tokio::sync::Mutex::new(to_client));
+    // How many of the node's answers went back to the client.
+    let (answered, mut answered_so_far) = watch::channel(0usize);
     // Each frame with its number among the produce requests, if it is one.
     let (frames, mut queued) = mpsc::unbounded_channel::<(Vec<u8>, Option<usize>)>();
     let read = tokio::spawn(async move {
-        loop {
-            let mut size = [0u8; 4];
-            if from_client.read_exact(&mut size).await.is_err() {
-                return; // closed: what was read is still forwarded, as bytes on a wire are
-            }
-            let mut frame = size.to_vec();
-            frame.resize(4 + i32::from_be_bytes(size).max(0) as usize, 0);
-            if from_client.read_exact(&mut frame[4..]).await.is_err() {
-                return;
-            }
+        // Once closed, what was read is still forwarded, as bytes on a wire are.
+        while let Some(frame) = read_frame(&mut from_client).await {
             let key = api_key(&frame);
             if let Some(k) = key {
                 *by_key.lock().unwrap().entry(k).or_default() += 1;
@@ -185,12 +256,15 @@ fn connect(client: TcpStream, upstream: TcpStream, order: Order) -> [AbortHandle
             }
         }
     });
+    let refuse_to = to_client.clone();
     let write = tokio::spawn(async move {
         let mut turn = forwarded.subscribe();
         // Once the node's side is broken, the frames still queued are dropped, as a broken
         // connection drops them; the produce requests among them still take their turn, so
         // that the other connections' later ones go on.
         let mut broken = false;
+        // Requests forwarded to the node on this connection.
+        let mut sent = 0usize;
         while let Some((frame, number)) = queued.recv().await {
             let key = api_key(&frame);
             if holding
@@ -200,12 +274,25 @@ fn connect(client: TcpStream, upstream: TcpStream, order: Order) -> [AbortHandle
             {
                 return; // the relay is gone
             }
+            let refusal = (key == Some(OFFSET_COMMIT))
+                .then(|| offset_commit::Commit::read(&frame))
+                .flatten()
+                .and_then(|commit| Some((refusals.lock().unwrap().next()?, commit)));
+            if let Some((code, commit)) = refusal {
+                if answered_so_far.wait_for(|n| *n >= sent).await.is_err() {
+                    return; // the node closed: so does the client's connection
+                }
+                let mut to_client = refuse_to.lock().await;
+                let _ = to_client.write_all(&commit.refusal(code)).await;
+                continue;
+            }
             if let Some(n) = number {
                 if turn.wait_for(|done| *done == n).await.is_err() {
                     return;
                 }
             }
             broken = broken || to_node.write_all(&frame).await.is_err();
+            sent += 1;
             if number.is_some() {
                 forwarded.send_modify(|done| *done += 1);
             }
@@ -214,14 +301,44 @@ fn connect(client: TcpStream, upstream: TcpStream, order: Order) -> [AbortHandle
         // what was forwarded last is still read and answered.
         std::future::pending::<()>().await;
     });
+    // The node's answers, each with the moment it came.
+    let (answers, mut to_deliver) = mpsc::unbounded_channel::<(Vec<u8>, Instant)>();
     let back = tokio::spawn(async move {
-        let _ = tokio::io::copy(&mut from_node, &mut to_client).await;
+        while let Some(frame) = read_frame(&mut from_node).await {
+            if answers.send((frame, Instant::now())).is_err() {
+                return;
+            }
+        }
+    });
+    let deliver = tokio::spawn(async move {
+        while let Some((frame, came)) = to_deliver.recv().await {
+            let by = *delay.borrow();
+            tokio::time::sleep_until(came + by).await;
+            if to_client.lock().await.write_all(&frame).await.is_err() {
+                break;
+            }
+            answered.send_modify(|n| *n += 1);
+        }
+        // The node closed its side: so does the relay, towards the client.
+        let _ = to_client.lock().await.shutdown().await;
     });
     [
         read.abort_handle(),
         write.abort_handle(),
         back.abort_handle(),
+        deliver.abort_handle(),
     ]
+}
+
+/// One Kafka frame (a 4-byte length, then that many bytes), length included; `None` once the
+/// stream has closed or broken.
+async fn read_frame(from: &mut (impl AsyncRead + Unpin)) -> Option<Vec<u8>> {
+    let mut size = [0u8; 4];
+    from.read_exact(&mut size).await.ok()?;
+    let mut frame = size.to_vec();
+    frame.resize(4 + i32::from_be_bytes(size).max(0) as usize, 0);
+    from.read_exact(&mut frame[4..]).await.ok()?;
+    Some(frame)
 }
 
 /// The API key of a request frame (its first two bytes after the length).

@@ -1,6 +1,8 @@
 //! Replay stays bounded when commits fail (issue 10, item 8), and done means acknowledged
-//! (item 2), against librdkafka's mock cluster (worker processes connect to it over loopback;
-//! its OffsetCommit errors and round-trip delays are the injected faults).
+//! (item 2), on Apache Kafka: each test has a node of its own behind the tests' relay
+//! (`sessionflow_tests::relay`), whose refused `OffsetCommit` requests and delayed answers are
+//! the injected faults. A refused commit never reaches the node, as with a coordinator that
+//! answers with an error; the group's other requests (heartbeats, joins) go through.
 //!
 //! While every commit fails, the watermark the worker computes keeps moving, but what a crash
 //! would replay is everything since the last commit the broker *confirmed*. So intake must be
@@ -9,10 +11,11 @@
 
 use std::time::Duration;
 
-use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+use rdkafka::types::RDKafkaRespErr;
+use sessionflow_tests::relay::{broker_behind_relay, Relay};
 use sessionflow_tests::{
-    end_offsets_on, verify_on, wait_committed_to_end_on, wait_until, MockCluster, MockKafka,
-    Topics, WorkerProcess,
+    end_offsets_on, verify_on, wait_committed_to_end_on, wait_until, ScriptCluster, Topics,
+    WorkerProcess,
 };
 use sessionflow_tools::loadgen::{self, LoadgenOptions, SessionChoice};
 
@@ -20,20 +23,42 @@ const PARTITIONS: i32 = 4;
 const CAP: u64 = 100;
 const RECORDS: u64 = 10_000;
 
-/// A one-broker mock cluster with input and output of `partitions` partitions and a DLQ. It
-/// must outlive the test's workers.
-fn mock_cluster(name: &str, partitions: i32) -> (MockCluster, String, Topics) {
-    let MockKafka {
-        cluster,
-        brokers,
-        topics,
-    } = MockKafka::new(name, 1, partitions);
-    (cluster, brokers, topics)
+/// The first port of each test's node (four each, the relay on the fourth; all the relayed
+/// nodes' ports are listed at `sessionflow_tests::relay::broker_behind_relay`).
+const OUTAGE_PORT: u16 = 19580;
+const SLOW_ACK_PORT: u16 = 19584;
+const FINAL_FAILS_PORT: u16 = 19588;
+const FINAL_REBALANCING_PORT: u16 = 19592;
+const FINAL_FENCED_PORT: u16 = 19596;
+
+/// A node of the test's own on `port` behind a relay, with input and output of `partitions`
+/// partitions and a DLQ. Both must outlive the test's workers.
+async fn relayed_cluster(
+    port: u16,
+    name: &str,
+    partitions: i32,
+) -> (Relay, ScriptCluster, String, Topics) {
+    let (relay, cluster) = broker_behind_relay(port).await;
+    let topics = Topics::named(name);
+    cluster
+        .create_topics(&[
+            (&topics.input, partitions),
+            (&topics.output, partitions),
+            (&topics.dlq, 1),
+        ])
+        .await;
+    let brokers = cluster.bootstrap.clone();
+    (relay, cluster, brokers, topics)
+}
+
+/// Kafka's error code for a librdkafka error that a broker sends.
+fn code(error: RDKafkaRespErr) -> i16 {
+    error as i16
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_after_a_commit_outage_replays_at_most_the_in_flight_cap() {
-    let (cluster, brokers, topics) = mock_cluster("outage", PARTITIONS);
+    let (relay, _node, brokers, topics) = relayed_cluster(OUTAGE_PORT, "outage", PARTITIONS).await;
     let opts = LoadgenOptions {
         choice: SessionChoice::RoundRobin,
         ..LoadgenOptions::new(&brokers, &topics.input, RECORDS, 200)
@@ -52,10 +77,11 @@ async fn a_crash_after_a_commit_outage_replays_at_most_the_in_flight_cap() {
         .expect("progress before the outage");
 
     // Every commit from now on fails (one error per request, far more than the test sends).
-    cluster.request_errors(
-        RDKafkaApiKey::OffsetCommit,
-        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_REBALANCE_IN_PROGRESS; 5_000],
+    relay.refuse_offset_commits(
+        code(RDKafkaRespErr::RD_KAFKA_RESP_ERR_REBALANCE_IN_PROGRESS),
+        5_000,
     );
+    let outage_from = std::time::Instant::now();
     let at_outage = outputs();
     // Let the worker go as far as it will: until its output stops growing for 3 s.
     let mut last = at_outage;
@@ -66,9 +92,25 @@ async fn a_crash_after_a_commit_outage_replays_at_most_the_in_flight_cap() {
         still = if now == last { still + 1 } else { 0 };
         last = now;
     }
-    eprintln!("commit outage from {at_outage} outputs: the worker went on to {last}");
+    let refused = relay.offset_commits_refused();
+    let outage = outage_from.elapsed().as_secs_f64();
+    eprintln!(
+        "commit outage from {at_outage} outputs: the worker went on to {last}, \
+         {refused} commits refused in {outage:.1} s"
+    );
     first.kill();
-    cluster.clear_request_errors(RDKafkaApiKey::OffsetCommit);
+    relay.accept_offset_commits();
+    assert!(
+        refused > 0,
+        "no commit was refused: the test did not test it"
+    );
+    // Refused commits are not sent again at once (`intake::commit_backoff`): a few a second at
+    // most, where an early commit after each refusal sent thousands.
+    let bound = 20 + (20.0 * outage) as usize;
+    assert!(
+        refused <= bound,
+        "{refused} commits sent to a coordinator refusing them in {outage:.1} s (bound {bound})"
+    );
 
     let second = WorkerProcess::spawn(&yaml);
     wait_committed_to_end_on(&brokers, &topics, Duration::from_secs(180))
@@ -97,7 +139,7 @@ async fn a_crash_after_a_commit_outage_replays_at_most_the_in_flight_cap() {
 /// without any output: `verify` would find it lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partition_that_comes_back_during_slow_acks_then_a_kill_loses_nothing() {
-    let (cluster, brokers, topics) = mock_cluster("slowack", 2);
+    let (relay, _node, brokers, topics) = relayed_cluster(SLOW_ACK_PORT, "slowack", 2).await;
     let records = 1_200;
     let opts = LoadgenOptions {
         choice: SessionChoice::RoundRobin,
@@ -116,17 +158,13 @@ async fn a_partition_that_comes_back_during_slow_acks_then_a_kill_loses_nothing(
         .await
         .expect("progress before the slow acks");
     // Every request now takes 1.5 s: produce acks outlast the 300 ms drain.
-    cluster
-        .broker_round_trip_time(1, Duration::from_millis(1_500))
-        .unwrap();
+    relay.delay_answers(Duration::from_millis(1_500));
     let b = WorkerProcess::spawn(&yaml);
     tokio::time::sleep(Duration::from_secs(8)).await;
     // The joiner dies: after its session timeout its partitions come back to `a`.
     b.kill();
     tokio::time::sleep(Duration::from_secs(10)).await;
-    cluster
-        .broker_round_trip_time(1, Duration::from_millis(0))
-        .unwrap();
+    relay.delay_answers(Duration::ZERO);
     a.kill();
     load.await.unwrap().expect("loadgen");
 
@@ -148,19 +186,20 @@ async fn a_partition_that_comes_back_during_slow_acks_then_a_kill_loses_nothing(
 /// committed" and 0 — and lose nothing: the next worker replays from the last confirmed commit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_final_commit_that_fails_for_good_exits_non_zero_and_loses_nothing() {
-    let (cluster, brokers, topics, yaml) = stop_test("final-fails", 6).await;
+    let (relay, _node, brokers, topics, yaml) = stop_test(FINAL_FAILS_PORT, "final-fails", 6).await;
     let first = WorkerProcess::spawn(&yaml);
     wait_for_progress(&brokers, &topics).await;
-    cluster.request_errors(
-        RDKafkaApiKey::OffsetCommit,
-        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_COORDINATOR_NOT_AVAILABLE; 100_000],
+    relay.refuse_offset_commits(
+        code(RDKafkaRespErr::RD_KAFKA_RESP_ERR_COORDINATOR_NOT_AVAILABLE),
+        100_000,
     );
     let status = first.terminate();
     assert!(
         !status.success(),
         "a stop whose final commit failed must not exit 0, got {status}"
     );
-    cluster.clear_request_errors(RDKafkaApiKey::OffsetCommit);
+    assert!(relay.offset_commits_refused() > 0, "no commit was refused");
+    relay.accept_offset_commits();
 
     restart_and_verify(&brokers, &topics, &yaml, "final commit refused").await;
 }
@@ -172,7 +211,8 @@ async fn a_final_commit_that_fails_for_good_exits_non_zero_and_loses_nothing() {
 /// the restart replays nothing the stop had finished.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_final_commit_refused_during_a_rebalance_is_retried_until_the_stops_deadline() {
-    let (cluster, brokers, topics, yaml) = stop_test("final-rebalancing", 8).await;
+    let (relay, _node, brokers, topics, yaml) =
+        stop_test(FINAL_REBALANCING_PORT, "final-rebalancing", 8).await;
     let log = std::env::temp_dir().join(sessionflow_tests::unique("rebalancing-worker") + ".log");
     let first = WorkerProcess::spawn_logging_at(
         &yaml,
@@ -182,14 +222,14 @@ async fn a_final_commit_refused_during_a_rebalance_is_retried_until_the_stops_de
     );
     wait_for_progress(&brokers, &topics).await;
     // About 25 tries fit in five seconds (a try every ~200 ms); these last three times as long.
-    cluster.request_errors(
-        RDKafkaApiKey::OffsetCommit,
-        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_REBALANCE_IN_PROGRESS; 80],
+    relay.refuse_offset_commits(
+        code(RDKafkaRespErr::RD_KAFKA_RESP_ERR_REBALANCE_IN_PROGRESS),
+        80,
     );
     let status = first.terminate();
     let said = std::fs::read_to_string(&log).unwrap_or_default();
     let _ = std::fs::remove_file(&log);
-    cluster.clear_request_errors(RDKafkaApiKey::OffsetCommit);
+    relay.accept_offset_commits();
     assert!(
         status.success(),
         "a stop whose final commit was refused for a while exits 0 once it lands, got {status}:\n{}",
@@ -222,7 +262,8 @@ async fn a_final_commit_refused_during_a_rebalance_is_retried_until_the_stops_de
 /// lost: their next owner replays from the last confirmed commit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_after_the_group_went_on_without_the_member_exits_0_and_loses_nothing() {
-    let (cluster, brokers, topics, yaml) = stop_test("final-fenced", 7).await;
+    let (relay, _node, brokers, topics, yaml) =
+        stop_test(FINAL_FENCED_PORT, "final-fenced", 7).await;
     let log = std::env::temp_dir().join(sessionflow_tests::unique("fenced-worker") + ".log");
     let first = WorkerProcess::spawn_logging(
         &yaml,
@@ -230,9 +271,9 @@ async fn a_stop_after_the_group_went_on_without_the_member_exits_0_and_loses_not
         std::fs::File::create(&log).expect("log file").into(),
     );
     wait_for_progress(&brokers, &topics).await;
-    cluster.request_errors(
-        RDKafkaApiKey::OffsetCommit,
-        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_ILLEGAL_GENERATION; 100_000],
+    relay.refuse_offset_commits(
+        code(RDKafkaRespErr::RD_KAFKA_RESP_ERR_ILLEGAL_GENERATION),
+        100_000,
     );
     let status = first.terminate();
     let said = std::fs::read_to_string(&log).unwrap_or_default();
@@ -245,7 +286,7 @@ async fn a_stop_after_the_group_went_on_without_the_member_exits_0_and_loses_not
         said.contains("partitions lost"),
         "the lost partitions are logged:\n{said}"
     );
-    cluster.clear_request_errors(RDKafkaApiKey::OffsetCommit);
+    relay.accept_offset_commits();
 
     restart_and_verify(
         &brokers,
@@ -259,17 +300,21 @@ async fn a_stop_after_the_group_went_on_without_the_member_exits_0_and_loses_not
 /// Records of each stop test.
 const STOP_RECORDS: u64 = 2_000;
 
-/// The start of a stop test: a two-partition mock cluster with [`STOP_RECORDS`] records of 50
-/// sessions, and a worker config for it.
-async fn stop_test(name: &str, seed: u64) -> (MockCluster, String, Topics, String) {
-    let (cluster, brokers, topics) = mock_cluster(name, 2);
+/// The start of a stop test: a two-partition node of its own on `port` behind a relay, with
+/// [`STOP_RECORDS`] records of 50 sessions, and a worker config for it.
+async fn stop_test(
+    port: u16,
+    name: &str,
+    seed: u64,
+) -> (Relay, ScriptCluster, String, Topics, String) {
+    let (relay, node, brokers, topics) = relayed_cluster(port, name, 2).await;
     let opts = LoadgenOptions {
         choice: SessionChoice::RoundRobin,
         ..LoadgenOptions::new(&brokers, &topics.input, STOP_RECORDS, 50)
     };
     loadgen::run(&opts).await.expect("loadgen");
     let yaml = topics.stage_yaml_on(&brokers, &format!("{{latencyMs: 5, seed: {seed}}}"), "");
-    (cluster, brokers, topics, yaml)
+    (relay, node, brokers, topics, yaml)
 }
 
 /// Waits until the first worker of a stop test has written a quarter of the outputs.

@@ -1,5 +1,7 @@
-//! Order and no loss under faults (issue 10), against librdkafka's mock cluster (the
-//! panicking handler, which needs no hook of the broker's, against Apache Kafka).
+//! Order and no loss under faults (issue 10), against librdkafka's mock cluster — except the
+//! panicking handler, which needs no hook of the broker's, and the OffsetCommit errors, which
+//! the tests' relay answers in front of a node of their own (`sessionflow_tests::relay`), both
+//! against Apache Kafka.
 //!
 //! The other end-to-end tests live in a world where every produce succeeds, every commit lands
 //! and the broker never blinks. Real pipelines do not: a broker restarts, the output topic
@@ -35,6 +37,7 @@ use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::mocking::MockCoordinator;
 use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+use sessionflow_tests::relay::broker_behind_relay;
 use sessionflow_tests::{
     assert_replays_within, builtin, verify_on, wait_committed_to_end_on, wait_until, Gate,
     MockKafka, RecordingHandler, Topics,
@@ -88,19 +91,7 @@ impl MockPipeline {
     /// `retriable_produce_errors_on_the_output_are_retried_in_order`, with every record
     /// acknowledged to the worker.
     fn stage(&self) -> StageConfig {
-        let mut stage = self.topics.stage(builtin(0.0, 0.0));
-        stage.brokers = self.brokers.clone();
-        stage.max_in_flight_per_partition = MAX_IN_FLIGHT;
-        stage
-            .kafka
-            .insert("session.timeout.ms".into(), "6000".into());
-        stage
-            .kafka
-            .insert("heartbeat.interval.ms".into(), "200".into());
-        stage
-            .kafka
-            .insert("max.in.flight.requests.per.connection".into(), "1".into());
-        stage
+        stage_on(&self.brokers, &self.topics)
     }
 
     /// Produces `per_session` numbered records for each of `sessions` sessions named
@@ -134,6 +125,23 @@ impl MockPipeline {
     async fn settle(&self, worker: RunningWorker) -> VerifyReport {
         settle_on(&self.brokers, &self.topics, worker).await
     }
+}
+
+/// The stage of every fault test ([`MockPipeline::stage`]), on `brokers`.
+fn stage_on(brokers: &str, topics: &Topics) -> StageConfig {
+    let mut stage = topics.stage(builtin(0.0, 0.0));
+    stage.brokers = brokers.to_string();
+    stage.max_in_flight_per_partition = MAX_IN_FLIGHT;
+    stage
+        .kafka
+        .insert("session.timeout.ms".into(), "6000".into());
+    stage
+        .kafka
+        .insert("heartbeat.interval.ms".into(), "200".into());
+    stage
+        .kafka
+        .insert("max.in.flight.requests.per.connection".into(), "1".into());
+    stage
 }
 
 /// Produces `per_session` numbered records for each of `sessions` sessions named
@@ -627,17 +635,29 @@ async fn a_dlq_refused_for_a_while_makes_the_worker_unready_and_reports_the_stuc
 /// (issue 10, item 9). Injected on every commit, it would fence the member forever and no
 /// record could ever finish; so it is injected as a burst of `count` errors, and the records
 /// are finished by the member once it is back.
+///
+/// On Apache Kafka: a node of the test's own on `port`, behind the tests' relay, which answers
+/// the worker's `OffsetCommit` requests with `error` itself (the node never sees them) while
+/// the group's other requests go through.
 async fn commits_converge_after_failing_for_a_while(
     name: &str,
+    port: u16,
     error: RDKafkaRespErr,
     count: usize,
 ) {
-    let p = MockPipeline::new(name, 1);
-    p.produce("session-", 20, 25).await;
-    p.cluster
-        .request_errors(RDKafkaApiKey::OffsetCommit, &vec![error; count]);
+    let (relay, node) = broker_behind_relay(port).await;
+    let brokers = node.bootstrap.clone();
+    let topics = Topics::named(name);
+    node.create_topics(&[
+        (&topics.input, PARTITIONS),
+        (&topics.output, PARTITIONS),
+        (&topics.dlq, 1),
+    ])
+    .await;
+    produce_on(&brokers, &topics, "session-", 20, 25).await;
+    relay.refuse_offset_commits(error as i16, count);
     let handler = slow_pass_through(Duration::from_millis(10));
-    let worker = sessionflow_worker::start(p.stage(), handler.clone())
+    let worker = sessionflow_worker::start(stage_on(&brokers, &topics), handler.clone())
         .await
         .unwrap();
     wait_until(Duration::from_secs(120), || {
@@ -647,15 +667,20 @@ async fn commits_converge_after_failing_for_a_while(
     .expect("every record processed while commits fail");
     tokio::time::sleep(Duration::from_secs(2)).await;
     let committed_while_failing =
-        sessionflow_tests::committed_offsets_on(&p.brokers, &p.topics.group, &p.topics.input);
+        sessionflow_tests::committed_offsets_on(&brokers, &topics.group, &topics.input);
     let commit_errors = worker.metrics.commit_errors.get();
+    let refused = relay.offset_commits_refused();
     eprintln!(
         "while commits failed ({error:?}): committed {committed_while_failing:?}, \
-         commit errors counted {commit_errors}"
+         commit errors counted {commit_errors}, commits refused {refused}"
     );
-    p.cluster.clear_request_errors(RDKafkaApiKey::OffsetCommit);
-    p.settle(worker).await;
+    relay.accept_offset_commits();
+    settle_on(&brokers, &topics, worker).await;
     print_order_problems(&handler);
+    assert!(
+        refused > 0,
+        "no commit was refused: the test did not test it"
+    );
     // librdkafka gave up on those commits (it logs COMMITFAIL for each): failures the worker
     // must count, however librdkafka reports them.
     assert!(
@@ -664,10 +689,17 @@ async fn commits_converge_after_failing_for_a_while(
     );
 }
 
+/// The first port of each commit-error test's node (four each; all the relayed nodes' ports are
+/// listed at `sessionflow_tests::relay::broker_behind_relay`).
+const COMMIT_REBALANCING_PORT: u16 = 19600;
+const COMMIT_GENERATION_PORT: u16 = 19604;
+const COMMIT_COORDINATOR_PORT: u16 = 19608;
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn commits_converge_after_rebalance_in_progress_errors() {
     commits_converge_after_failing_for_a_while(
         "commit-rebalancing",
+        COMMIT_REBALANCING_PORT,
         RDKafkaRespErr::RD_KAFKA_RESP_ERR_REBALANCE_IN_PROGRESS,
         10_000,
     )
@@ -678,6 +710,7 @@ async fn commits_converge_after_rebalance_in_progress_errors() {
 async fn commits_converge_after_illegal_generation_errors() {
     commits_converge_after_failing_for_a_while(
         "commit-generation",
+        COMMIT_GENERATION_PORT,
         RDKafkaRespErr::RD_KAFKA_RESP_ERR_ILLEGAL_GENERATION,
         3,
     )
@@ -688,6 +721,7 @@ async fn commits_converge_after_illegal_generation_errors() {
 async fn commits_converge_after_the_coordinator_was_unavailable() {
     commits_converge_after_failing_for_a_while(
         "commit-coordinator",
+        COMMIT_COORDINATOR_PORT,
         RDKafkaRespErr::RD_KAFKA_RESP_ERR_COORDINATOR_NOT_AVAILABLE,
         10_000,
     )

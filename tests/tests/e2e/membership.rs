@@ -39,8 +39,8 @@ const OUTPUT_BROKER: i32 = 2;
 /// After how much silence no write may start: the fence's 4 s (⅔ of the session timeout),
 /// plus a second for the last commit before the silence and the loop's turn.
 const FENCED_AFTER: Duration = Duration::from_secs(5);
-/// Ports of the blocked-loop test's broker: 19570 … 19573, the relay on 19573 (see
-/// `late_writes.rs` and `slow_transaction_calls.rs` for the other relayed brokers' ports).
+/// Ports of the blocked-loop test's broker: 19570 … 19573, the relay on 19573 (all the relayed
+/// nodes' ports are listed at `sessionflow_tests::relay::broker_behind_relay`).
 const BLOCKED_PORT: u16 = 19570;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
