@@ -8,17 +8,19 @@
 //! not hold one request kind while the transaction coordinator's requests go through, so this
 //! relay reads the client's bytes as Kafka frames (a 4-byte length, then the request, whose
 //! first two bytes are its API key) and only ever forwards them whole and in order. It never
-//! changes or drops anything, and answers one thing only, when told to: other kinds of request
-//! can be held the same way (the group coordinator's offset requests: a coordinator that stops
-//! answering; a transaction coordinator's `EndTxn`: an abort that waits); the node's answers
-//! can be delayed (a slow link or a slow broker: every round trip longer); and an
-//! `OffsetCommit` can be refused with an error code instead of forwarded (a coordinator loading,
-//! moving or rebalancing the group: [`offset_commit`]), which the node then never sees.
+//! changes or drops a request it forwards. Other kinds of request can be held the same way
+//! (the group coordinator's offset requests: a coordinator that stops answering; a transaction
+//! coordinator's `EndTxn`: an abort that waits); the node's answers can be delayed (a slow link
+//! or a slow broker: every round trip longer); and two kinds of request can be refused — the
+//! relay answers them with an error code itself, and the node never sees them: an
+//! `OffsetCommit` (a coordinator loading, moving or rebalancing the group: [`offset_commit`])
+//! and a `Produce` to a chosen topic (a leader short of replicas, a batch too large, a topic the
+//! client may not write: [`produce`]). Their layouts on the wire are read in [`wire`].
 //!
 //! Clients reach it as the node's advertised address (`scripts/kafka.sh start --proxied`
 //! advertises port P+3 for the node on P).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -30,6 +32,8 @@ use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
 mod offset_commit;
+mod produce;
+mod wire;
 
 /// Kafka's API keys of the requests tests hold.
 pub const PRODUCE: i16 = 0;
@@ -44,7 +48,8 @@ pub struct Relay {
     produce_seen: Arc<AtomicUsize>,
     /// How many requests of each API key clients have sent (held or not).
     seen_by_key: Arc<Mutex<HashMap<i16, usize>>>,
-    /// How many produce requests were forwarded: the n-th (from 0) waits until n were.
+    /// How many produce requests were forwarded (or refused): the n-th (from 0) waits until n
+    /// were.
     forwarded: watch::Sender<usize>,
     /// How much later than it came each answer of the node goes back to its client.
     delay: watch::Sender<Duration>,
@@ -52,26 +57,44 @@ pub struct Relay {
     tasks: Arc<Mutex<Vec<AbortHandle>>>,
 }
 
-/// The `OffsetCommit` requests to answer with an error code instead of forwarding.
+/// The requests to answer with an error code instead of forwarding.
 #[derive(Default)]
 struct Refusals {
-    /// The error code, and how many more requests get it.
-    pending: Option<(i16, usize)>,
-    /// How many were refused so far.
-    refused: usize,
+    /// `OffsetCommit`: the error code, and how many more requests get it.
+    commits: Option<(i16, usize)>,
+    commits_refused: usize,
+    /// `Produce` requests that write to the topic: the error codes for the next ones, in turn.
+    produce: Option<(String, VecDeque<i16>)>,
+    produce_refused: usize,
 }
 
 impl Refusals {
-    /// The error code for the next `OffsetCommit`, if it is to be refused; counts it.
-    fn next(&mut self) -> Option<i16> {
-        let (code, left) = self.pending.as_mut()?;
-        let code = *code;
-        *left -= 1;
-        if *left == 0 {
-            self.pending = None;
+    /// The relay's answer to `frame`, if it is a request to refuse (counted as refused).
+    fn answer(&mut self, frame: &[u8]) -> Option<Vec<u8>> {
+        match api_key(frame)? {
+            OFFSET_COMMIT => {
+                let (code, left) = self.commits.as_mut()?;
+                let commit = offset_commit::Commit::read(frame)?;
+                let code = *code;
+                *left -= 1;
+                if *left == 0 {
+                    self.commits = None;
+                }
+                self.commits_refused += 1;
+                Some(commit.refusal(code))
+            }
+            PRODUCE => {
+                let (topic, codes) = self.produce.as_mut()?;
+                let produce = produce::Produce::read(frame).filter(|p| p.writes(topic))?;
+                let code = codes.pop_front()?;
+                if codes.is_empty() {
+                    self.produce = None;
+                }
+                self.produce_refused += 1;
+                Some(produce.refusal(code))
+            }
+            _ => None,
         }
-        self.refused += 1;
-        Some(code)
     }
 }
 
@@ -82,7 +105,7 @@ impl Refusals {
 ///
 /// The e2e tests' relayed nodes take four ports each from: 19530, 19540, 19550 (`late_writes`),
 /// 19560 (`slow_transaction_calls`), 19570 (`membership`), 19580 … 19596 (`commit_outage`) and
-/// 19600 … 19608 (`faults`).
+/// 19600 … 19636 (`faults`).
 pub async fn broker_behind_relay(port: u16) -> (Relay, crate::ScriptCluster) {
     let relay = Relay::start(
         &format!("127.0.0.1:{}", port + 3),
@@ -168,17 +191,36 @@ impl Relay {
     /// with `error_code` for every partition they name, and never reach the node (after the
     /// answers to what their connection sent before them, as a broker answers in order).
     pub fn refuse_offset_commits(&self, error_code: i16, times: usize) {
-        self.refusals.lock().unwrap().pending = (times > 0).then_some((error_code, times));
+        self.refusals.lock().unwrap().commits = (times > 0).then_some((error_code, times));
     }
 
     /// Forwards `OffsetCommit` requests again, however many refusals were left.
     pub fn accept_offset_commits(&self) {
-        self.refusals.lock().unwrap().pending = None;
+        self.refusals.lock().unwrap().commits = None;
     }
 
     /// How many `OffsetCommit` requests the relay has refused so far.
     pub fn offset_commits_refused(&self) -> usize {
-        self.refusals.lock().unwrap().refused
+        self.refusals.lock().unwrap().commits_refused
+    }
+
+    /// The next `Produce` requests that write to `topic`, from any client, are answered by the
+    /// relay with `error_codes` in turn (one a request, for every partition it writes), and
+    /// never reach the node. Requests to other topics go through. Replaces what was left of
+    /// an earlier call.
+    pub fn refuse_produce(&self, topic: &str, error_codes: &[i16]) {
+        self.refusals.lock().unwrap().produce = (!error_codes.is_empty())
+            .then(|| (topic.to_string(), error_codes.iter().copied().collect()));
+    }
+
+    /// Forwards `Produce` requests again, however many refusals were left.
+    pub fn accept_produce(&self) {
+        self.refusals.lock().unwrap().produce = None;
+    }
+
+    /// How many `Produce` requests the relay has refused so far.
+    pub fn produce_refused(&self) -> usize {
+        self.refusals.lock().unwrap().produce_refused
     }
 
     /// How many produce requests clients have sent through the relay so far (held or not).
@@ -274,25 +316,25 @@ fn connect(client: TcpStream, upstream: TcpStream, order: Order) -> [AbortHandle
             {
                 return; // the relay is gone
             }
-            let refusal = (key == Some(OFFSET_COMMIT))
-                .then(|| offset_commit::Commit::read(&frame))
-                .flatten()
-                .and_then(|commit| Some((refusals.lock().unwrap().next()?, commit)));
-            if let Some((code, commit)) = refusal {
-                if answered_so_far.wait_for(|n| *n >= sent).await.is_err() {
-                    return; // the node closed: so does the client's connection
-                }
-                let mut to_client = refuse_to.lock().await;
-                let _ = to_client.write_all(&commit.refusal(code)).await;
-                continue;
-            }
             if let Some(n) = number {
                 if turn.wait_for(|done| *done == n).await.is_err() {
                     return;
                 }
             }
-            broken = broken || to_node.write_all(&frame).await.is_err();
-            sent += 1;
+            let refusal = refusals.lock().unwrap().answer(&frame);
+            match refusal {
+                Some(answer) => {
+                    if answered_so_far.wait_for(|n| *n >= sent).await.is_err() {
+                        return; // the node closed: so does the client's connection
+                    }
+                    let _ = refuse_to.lock().await.write_all(&answer).await;
+                }
+                None => {
+                    broken = broken || to_node.write_all(&frame).await.is_err();
+                    sent += 1;
+                }
+            }
+            // A refused produce request has had its turn too.
             if number.is_some() {
                 forwarded.send_modify(|done| *done += 1);
             }

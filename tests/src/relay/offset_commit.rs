@@ -7,6 +7,8 @@
 //! request is "flexible" (compact strings and arrays, tagged fields, header v2). The layout is
 //! Kafka's `OffsetCommitRequest.json` and `OffsetCommitResponse.json`.
 
+use super::wire::{array_len, finish, response, string, Reader};
+
 /// What an answer needs of an `OffsetCommit` request.
 #[derive(Debug, PartialEq)]
 pub struct Commit {
@@ -21,19 +23,11 @@ impl Commit {
     /// `OffsetCommit` of a version read here, or is cut short.
     pub fn read(frame: &[u8]) -> Option<Self> {
         let mut r = Reader(frame.get(4..)?);
-        if r.i16()? != super::OFFSET_COMMIT {
-            return None;
-        }
-        let version = r.i16()?;
-        if !(2..=9).contains(&version) {
+        let (key, version, correlation_id) = r.header(|v| v >= 8)?;
+        if key != super::OFFSET_COMMIT || !(2..=9).contains(&version) {
             return None;
         }
         let flexible = version >= 8;
-        let correlation_id = r.i32()?;
-        r.legacy_string()?; // client id: never compact, not even in header v2
-        if flexible {
-            r.tags()?;
-        }
         r.string(flexible)?; // group id
         r.i32()?; // generation id
         r.string(flexible)?; // member id
@@ -76,11 +70,7 @@ impl Commit {
     /// The response frame (its 4-byte length first) refusing every partition with `error_code`.
     pub fn refusal(&self, error_code: i16) -> Vec<u8> {
         let flexible = self.version >= 8;
-        let mut w = vec![0; 4];
-        w.extend(self.correlation_id.to_be_bytes());
-        if flexible {
-            w.push(0); // the header's tagged fields: none
-        }
+        let mut w = response(self.correlation_id, flexible);
         if self.version >= 3 {
             w.extend(0i32.to_be_bytes()); // throttle time
         }
@@ -102,110 +92,7 @@ impl Commit {
         if flexible {
             w.push(0);
         }
-        let size = (w.len() - 4) as i32;
-        w[..4].copy_from_slice(&size.to_be_bytes());
-        w
-    }
-}
-
-/// An array's length: an `i32` before flexible versions, an unsigned varint of length + 1 in
-/// them (the arrays written here are never null).
-fn array_len(w: &mut Vec<u8>, len: usize, flexible: bool) {
-    if flexible {
-        uvarint(w, len as u64 + 1);
-    } else {
-        w.extend((len as i32).to_be_bytes());
-    }
-}
-
-/// A string (never null here): an `i16` length before flexible versions, an unsigned varint of
-/// length + 1 in them.
-fn string(w: &mut Vec<u8>, text: &str, flexible: bool) {
-    if flexible {
-        uvarint(w, text.len() as u64 + 1);
-    } else {
-        w.extend((text.len() as i16).to_be_bytes());
-    }
-    w.extend(text.as_bytes());
-}
-
-fn uvarint(w: &mut Vec<u8>, mut n: u64) {
-    while n >= 0x80 {
-        w.push((n as u8 & 0x7f) | 0x80);
-        n >>= 7;
-    }
-    w.push(n as u8);
-}
-
-/// Reads Kafka's primitive types from the front of a request.
-struct Reader<'a>(&'a [u8]);
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
-        let (head, rest) = self.0.split_at_checked(n)?;
-        self.0 = rest;
-        Some(head)
-    }
-
-    fn i16(&mut self) -> Option<i16> {
-        Some(i16::from_be_bytes(self.take(2)?.try_into().ok()?))
-    }
-
-    fn i32(&mut self) -> Option<i32> {
-        Some(i32::from_be_bytes(self.take(4)?.try_into().ok()?))
-    }
-
-    fn uvarint(&mut self) -> Option<u64> {
-        let mut value = 0u64;
-        for shift in (0..64).step_by(7) {
-            let byte = self.take(1)?[0];
-            value |= u64::from(byte & 0x7f) << shift;
-            if byte & 0x80 == 0 {
-                return Some(value);
-            }
-        }
-        None
-    }
-
-    /// A nullable string with an `i16` length (-1: null).
-    fn legacy_string(&mut self) -> Option<Option<String>> {
-        let len = self.i16()?;
-        self.text(usize::try_from(len).ok())
-    }
-
-    /// A nullable string: compact (varint length + 1, 0: null) in flexible versions.
-    fn string(&mut self, flexible: bool) -> Option<Option<String>> {
-        if !flexible {
-            return self.legacy_string();
-        }
-        let len = self.uvarint()?;
-        self.text(len.checked_sub(1).map(|n| n as usize))
-    }
-
-    fn text(&mut self, len: Option<usize>) -> Option<Option<String>> {
-        match len {
-            None => Some(None),
-            Some(n) => Some(Some(String::from_utf8_lossy(self.take(n)?).into_owned())),
-        }
-    }
-
-    /// An array's length: compact (varint length + 1) in flexible versions; null reads as empty.
-    fn array_len(&mut self, flexible: bool) -> Option<usize> {
-        if flexible {
-            Some(self.uvarint()?.saturating_sub(1) as usize)
-        } else {
-            Some(usize::try_from(self.i32()?).unwrap_or(0))
-        }
-    }
-
-    /// Skips a block of tagged fields (a count, then each tag's number, size and bytes).
-    fn tags(&mut self) -> Option<()> {
-        for _ in 0..self.uvarint()? {
-            self.uvarint()?;
-            let size = self.uvarint()?;
-            self.take(usize::try_from(size).ok()?)?;
-        }
-        Some(())
+        finish(w)
     }
 }
 
@@ -318,14 +205,5 @@ mod tests {
             0, 0, // the topic's tags, the body's
         ];
         assert_eq!(commit.refusal(27), flexible);
-    }
-
-    #[test]
-    fn varints_past_one_byte_read_back() {
-        for n in [0u64, 1, 127, 128, 300, 16_384, u32::MAX as u64] {
-            let mut w = Vec::new();
-            uvarint(&mut w, n);
-            assert_eq!(Reader(&w).uvarint(), Some(n));
-        }
     }
 }

@@ -1,34 +1,33 @@
-//! Order and no loss under faults (issue 10), against librdkafka's mock cluster — except the
-//! panicking handler, which needs no hook of the broker's, and the OffsetCommit errors, which
-//! the tests' relay answers in front of a node of their own (`sessionflow_tests::relay`), both
-//! against Apache Kafka.
+//! Order and no loss under faults (issue 10). Most tests run on Apache Kafka: each on a node of
+//! its own behind the tests' relay (`sessionflow_tests::relay`), which refuses the Produce
+//! requests to the topic a test names and the OffsetCommit requests with the error it names,
+//! and delays every answer; the panicking handler needs no fault of the broker's and runs on the
+//! shared broker. The tests that take a broker down or move the group coordinator stay on
+//! librdkafka's mock cluster, which can do both to one broker of three.
 //!
 //! The other end-to-end tests live in a world where every produce succeeds, every commit lands
 //! and the broker never blinks. Real pipelines do not: a broker restarts, the output topic
 //! refuses a batch, the DLQ is unavailable for a while, commits fail during a rebalance, the
 //! group coordinator moves, acks are slow, a handler panics. Each test here injects one such
-//! fault into a running worker through the mock cluster's hooks (request errors per API key,
-//! broker down/up, round-trip delays, coordinator moves) and ends as every fault test must:
-//! `verify` finds nothing lost, nothing out of order, no session ending on an older record
-//! than one it already wrote, duplicates within the in-flight bound, and the group's committed
-//! offsets equal the input's end offsets once the input is drained (lag 0 — what the
-//! operator's autoscaler sees; a partition whose commits stop would never scale down).
+//! fault into a running worker and ends as every fault test must: `verify` finds nothing lost,
+//! nothing out of order, no session ending on an older record than one it already wrote,
+//! duplicates within the in-flight bound, and the group's committed offsets equal the input's
+//! end offsets once the input is drained (lag 0 — what the operator's autoscaler sees; a
+//! partition whose commits stop would never scale down).
 //!
-//! What the mock cluster teaches (librdkafka 2.12, seen in these tests): an injected request
-//! error applies to the *whole* request it hits (every partition of a Produce request, output
-//! and DLQ batches alike, since they share one producer) and errors are taken from one
-//! cluster-wide stack in arrival order, so a test that targets one topic makes sure only that
-//! topic is being written when it injects. librdkafka retries `NOT_ENOUGH_REPLICAS` and
-//! `REQUEST_TIMED_OUT` on Produce by itself (the idempotent producer keeps them unduplicated
-//! and in order, on Kafka; on the mock only with one request in flight, see
-//! [`MockPipeline::stage`]); `MSG_SIZE_TOO_LARGE` and `TOPIC_AUTHORIZATION_FAILED` fail the messages of
-//! the request and bump the idempotent producer's epoch; `TOPIC_AUTHORIZATION_FAILED` also
-//! puts the topic in an error state until the next metadata refresh, so the outputs queued
-//! meanwhile are refused locally too. On OffsetCommit, librdkafka gives up on a manual async
-//! commit after `REBALANCE_IN_PROGRESS`, `ILLEGAL_GENERATION` (the assignment is then lost and
-//! the member rejoins) and `COORDINATOR_NOT_AVAILABLE` (after looking for the coordinator
-//! again) — and, under rdkafka 0.39's `BaseConsumer`, tells the application nothing but a
-//! `COMMITFAIL` log line (see [`commits_converge_after_failing_for_a_while`]).
+//! What librdkafka 2.12 does with the errors (seen in these tests): a refused Produce request
+//! fails every partition's batch in it; librdkafka retries `NOT_ENOUGH_REPLICAS` and
+//! `REQUEST_TIMED_OUT` itself (the idempotent producer keeps them unduplicated and in order);
+//! `MSG_SIZE_TOO_LARGE` and `TOPIC_AUTHORIZATION_FAILED` fail the messages of the request and
+//! bump the idempotent producer's epoch; `TOPIC_AUTHORIZATION_FAILED` also puts the topic in
+//! an error state until the next metadata refresh, so the outputs queued meanwhile are refused
+//! locally too. On OffsetCommit, librdkafka gives up on a manual async commit after
+//! `REBALANCE_IN_PROGRESS`, `ILLEGAL_GENERATION` (the assignment is then lost and the member
+//! rejoins) and `COORDINATOR_NOT_AVAILABLE` (after looking for the coordinator again) — and,
+//! under rdkafka 0.39's `BaseConsumer`, tells the application nothing but a `COMMITFAIL` log
+//! line (see [`commits_converge_after_failing_for_a_while`]). The mock cluster, where these
+//! tests ran before, takes injected errors from one cluster-wide stack whatever the request's
+//! topic, and checks no sequence numbers of an idempotent producer (see [`Pipeline::stage`]).
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -36,11 +35,11 @@ use std::time::Duration;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::mocking::MockCoordinator;
-use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
-use sessionflow_tests::relay::broker_behind_relay;
+use rdkafka::types::RDKafkaRespErr;
+use sessionflow_tests::relay::{broker_behind_relay, Relay};
 use sessionflow_tests::{
     assert_replays_within, builtin, verify_on, wait_committed_to_end_on, wait_until, Gate,
-    MockKafka, RecordingHandler, Topics,
+    MockKafka, RecordingHandler, ScriptCluster, Topics,
 };
 use sessionflow_tools::loadgen::{self, LoadgenOptions, SessionChoice};
 use sessionflow_tools::verify::{read_topic, SeqRecord, VerifyReport};
@@ -59,11 +58,51 @@ const CONVERGE: Duration = Duration::from_secs(60);
 
 type Cluster = sessionflow_tests::MockCluster;
 
+/// Where a fault test runs: the brokers and the topics of one test.
+struct Pipeline {
+    brokers: String,
+    topics: Topics,
+}
+
+impl Pipeline {
+    /// A stage with Kafka's smallest session timeout (6 s; a join then takes about 3 s), and
+    /// one Produce request in flight per connection, as the chaos run's mock workers have: the
+    /// mock checks no sequence numbers of an idempotent producer, and a request failed with
+    /// `REQUEST_TIMED_OUT` followed by one that succeeds makes librdkafka count the first as
+    /// stored ("implicit ack") when the mock never stored it (RELIABILITY.md, *Limits of the
+    /// mock cluster*; one output lost that way on 6 Dec, when the produce-error tests ran on
+    /// the mock).
+    fn stage(&self) -> StageConfig {
+        stage_on(&self.brokers, &self.topics)
+    }
+
+    /// Produces `per_session` numbered records for each of `sessions` sessions named
+    /// `<prefix><n>`, interleaved.
+    async fn produce(&self, prefix: &str, sessions: u64, per_session: u64) {
+        produce_on(&self.brokers, &self.topics, prefix, sessions, per_session).await;
+    }
+
+    fn read(&self, topic: &str) -> Vec<SeqRecord> {
+        read_topic(&self.brokers, topic, None, Duration::from_secs(60)).expect("read topic")
+    }
+
+    /// The end of every fault test ([`settle_on`]).
+    async fn settle(&self, worker: RunningWorker) -> VerifyReport {
+        settle_on(&self.brokers, &self.topics, worker).await
+    }
+}
+
 /// A mock cluster with the topics of one test. It must outlive the test's workers.
 struct MockPipeline {
     cluster: Cluster,
-    brokers: String,
-    topics: Topics,
+    pipeline: Pipeline,
+}
+
+impl std::ops::Deref for MockPipeline {
+    type Target = Pipeline;
+    fn deref(&self) -> &Pipeline {
+        &self.pipeline
+    }
 }
 
 impl MockPipeline {
@@ -76,28 +115,8 @@ impl MockPipeline {
         } = MockKafka::new(name, brokers, PARTITIONS);
         Self {
             cluster,
-            brokers,
-            topics,
+            pipeline: Pipeline { brokers, topics },
         }
-    }
-
-    /// A stage on the mock cluster with Kafka-legal timings (the mock, like Kafka, refuses a
-    /// session timeout below 6 s; a join then takes about 3 s), and one Produce request in
-    /// flight per connection, as the chaos run's mock workers have. The mock checks no
-    /// sequence numbers of an idempotent producer: a request failed with `REQUEST_TIMED_OUT`
-    /// followed by one that succeeds makes librdkafka count the first as stored ("implicit
-    /// ack") when the mock never stored it (RELIABILITY.md, *Limits of the mock cluster*).
-    /// Seen here on 6 Dec: one output record lost in
-    /// `retriable_produce_errors_on_the_output_are_retried_in_order`, with every record
-    /// acknowledged to the worker.
-    fn stage(&self) -> StageConfig {
-        stage_on(&self.brokers, &self.topics)
-    }
-
-    /// Produces `per_session` numbered records for each of `sessions` sessions named
-    /// `<prefix><n>`, interleaved.
-    async fn produce(&self, prefix: &str, sessions: u64, per_session: u64) {
-        produce_on(&self.brokers, &self.topics, prefix, sessions, per_session).await;
     }
 
     /// The broker leading `partition` of `topic` (mock broker ids start at 1).
@@ -116,18 +135,70 @@ impl MockPipeline {
             .expect("partition")
             .leader()
     }
+}
 
-    fn read(&self, topic: &str) -> Vec<SeqRecord> {
-        read_topic(&self.brokers, topic, None, Duration::from_secs(60)).expect("read topic")
-    }
+/// An Apache Kafka node of the test's own on `port` behind the tests' relay, which refuses the
+/// requests a test names and delays answers (`sessionflow_tests::relay`), with the topics of
+/// one test: input and output of [`PARTITIONS`] partitions, a DLQ of one. It must outlive the
+/// test's workers. Each test's port is its own (four each from 19600 on; all the relayed
+/// nodes' ports are listed at `sessionflow_tests::relay::broker_behind_relay`).
+struct RelayedPipeline {
+    relay: Relay,
+    _node: ScriptCluster,
+    pipeline: Pipeline,
+}
 
-    /// The end of every fault test ([`settle_on`]).
-    async fn settle(&self, worker: RunningWorker) -> VerifyReport {
-        settle_on(&self.brokers, &self.topics, worker).await
+impl std::ops::Deref for RelayedPipeline {
+    type Target = Pipeline;
+    fn deref(&self) -> &Pipeline {
+        &self.pipeline
     }
 }
 
-/// The stage of every fault test ([`MockPipeline::stage`]), on `brokers`.
+impl RelayedPipeline {
+    async fn new(name: &str, port: u16) -> Self {
+        let (relay, node) = broker_behind_relay(port).await;
+        let topics = Topics::named(name);
+        node.create_topics(&[
+            (&topics.input, PARTITIONS),
+            (&topics.output, PARTITIONS),
+            (&topics.dlq, 1),
+        ])
+        .await;
+        Self {
+            relay,
+            pipeline: Pipeline {
+                brokers: node.bootstrap.clone(),
+                topics,
+            },
+            _node: node,
+        }
+    }
+}
+
+/// The first port of each relayed test's node ([`RelayedPipeline`]).
+const COMMIT_REBALANCING_PORT: u16 = 19600;
+const COMMIT_GENERATION_PORT: u16 = 19604;
+const COMMIT_COORDINATOR_PORT: u16 = 19608;
+const RETRIABLE_PORT: u16 = 19612;
+const TOO_LARGE_PORT: u16 = 19616;
+const UNAUTHORIZED_PORT: u16 = 19620;
+const DLQ_RETRIABLE_PORT: u16 = 19624;
+const DLQ_REFUSED_PORT: u16 = 19628;
+const DLQ_BLOCKED_PORT: u16 = 19632;
+const SLOW_ACKS_PORT: u16 = 19636;
+
+/// Kafka's error code for a librdkafka error that a broker sends.
+fn code(error: RDKafkaRespErr) -> i16 {
+    error as i16
+}
+
+/// Kafka's error codes for librdkafka errors that a broker sends.
+fn codes(errors: &[RDKafkaRespErr]) -> Vec<i16> {
+    errors.iter().map(|&e| code(e)).collect()
+}
+
+/// The stage of every fault test ([`Pipeline::stage`]), on `brokers`.
 fn stage_on(brokers: &str, topics: &Topics) -> StageConfig {
     let mut stage = topics.stage(builtin(0.0, 0.0));
     stage.brokers = brokers.to_string();
@@ -291,29 +362,32 @@ async fn the_coordinator_broker_down_for_a_few_seconds_loses_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retriable_produce_errors_on_the_output_are_retried_in_order() {
     use RDKafkaRespErr::*;
-    let p = MockPipeline::new("produce-retriable", 1);
+    let p = RelayedPipeline::new("produce-retriable", RETRIABLE_PORT).await;
     p.produce("session-", 40, 25).await;
     let handler = slow_pass_through(Duration::from_millis(20));
     let worker = sessionflow_worker::start(p.stage(), handler.clone())
         .await
         .unwrap();
     wait_for_outputs(&worker, 100).await;
-    // Only the worker produces now (the input is written), so every error hits its requests.
-    p.cluster.request_errors(
-        RDKafkaApiKey::Produce,
-        &[
-            RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS,
-            RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS,
-            RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS,
-            RD_KAFKA_RESP_ERR_REQUEST_TIMED_OUT,
-            RD_KAFKA_RESP_ERR_REQUEST_TIMED_OUT,
-            RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS,
-            RD_KAFKA_RESP_ERR_REQUEST_TIMED_OUT,
-            RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS,
-        ],
-    );
+    let errors = [
+        RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS,
+        RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS,
+        RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS,
+        RD_KAFKA_RESP_ERR_REQUEST_TIMED_OUT,
+        RD_KAFKA_RESP_ERR_REQUEST_TIMED_OUT,
+        RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS,
+        RD_KAFKA_RESP_ERR_REQUEST_TIMED_OUT,
+        RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS,
+    ];
+    // Only the output's requests are refused (the input is written, the DLQ idle).
+    p.relay.refuse_produce(&p.topics.output, &codes(&errors));
     let metrics = worker.metrics.clone();
     let report = p.settle(worker).await;
+    assert_eq!(
+        p.relay.produce_refused(),
+        errors.len(),
+        "every error was sent"
+    );
     assert_eq!(
         metrics.produce_errors.get(),
         0,
@@ -357,12 +431,11 @@ fn outputs_ahead_of_their_dead_letter(output: &[SeqRecord], dlq: &[SeqRecord]) -
 /// DLQ as `produce-failed` (nothing else does), every other output lands, and no later output
 /// of their sessions was written before their dead letter (issue 10, item 3).
 ///
-/// Which request receives the error: the next Produce request to reach the mock after the
-/// injection — here always a request of output batches (the DLQ is idle until the failure),
-/// carrying the batches the producer had lingered for every output partition (one broker):
-/// typically 6–10 records of as many sessions.
-async fn refused_outputs_go_to_the_dlq_in_order(name: &str, error: RDKafkaRespErr) {
-    let p = MockPipeline::new(name, 1);
+/// Which request receives the error: the next Produce request to the output after the
+/// injection (the relay refuses no other topic's), carrying the batch the producer had
+/// lingered for one output partition: typically a few records of as many sessions.
+async fn refused_outputs_go_to_the_dlq_in_order(name: &str, port: u16, error: RDKafkaRespErr) {
+    let p = RelayedPipeline::new(name, port).await;
     p.produce("session-", 40, 25).await;
     let handler = slow_pass_through(Duration::from_millis(20));
     let worker = sessionflow_worker::start(p.stage(), handler.clone())
@@ -371,17 +444,16 @@ async fn refused_outputs_go_to_the_dlq_in_order(name: &str, error: RDKafkaRespEr
     wait_for_outputs(&worker, 100).await;
     // Slow answers, so that the refusal comes back after the sessions' next records were
     // handled: whether their outputs may go out before it is what this test is about.
-    p.cluster
-        .broker_round_trip_time(1, Duration::from_millis(300))
-        .unwrap();
-    p.cluster.request_errors(RDKafkaApiKey::Produce, &[error]);
+    p.relay.delay_answers(Duration::from_millis(300));
+    p.relay.refuse_produce(&p.topics.output, &[code(error)]);
     wait_until(Duration::from_secs(60), || {
         worker.metrics.produce_errors.get() > 0
     })
     .await
     .expect("the refused request's records are reported");
     tokio::time::sleep(Duration::from_secs(1)).await;
-    p.cluster.broker_round_trip_time(1, Duration::ZERO).unwrap();
+    p.relay.delay_answers(Duration::ZERO);
+    assert_eq!(p.relay.produce_refused(), 1);
     let metrics = worker.metrics.clone();
     let report = p.settle(worker).await;
     let produce_errors = metrics.produce_errors.get();
@@ -425,6 +497,7 @@ async fn refused_outputs_go_to_the_dlq_in_order(name: &str, error: RDKafkaRespEr
 async fn an_output_refused_as_too_large_goes_to_the_dlq_in_order() {
     refused_outputs_go_to_the_dlq_in_order(
         "produce-too-large",
+        TOO_LARGE_PORT,
         RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE,
     )
     .await;
@@ -437,6 +510,7 @@ async fn an_output_refused_as_too_large_goes_to_the_dlq_in_order() {
 async fn an_output_refused_as_unauthorized_goes_to_the_dlq_in_order() {
     refused_outputs_go_to_the_dlq_in_order(
         "produce-unauthorized",
+        UNAUTHORIZED_PORT,
         RDKafkaRespErr::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED,
     )
     .await;
@@ -445,11 +519,11 @@ async fn an_output_refused_as_unauthorized_goes_to_the_dlq_in_order() {
 // ---- produce errors on the DLQ --------------------------------------------------------------
 
 /// Poison sessions (every record poison, prefix `bad-`) write only dead letters. Their first
-/// records are held until the ordinary sessions are done, so when `errors` are injected only
-/// the DLQ is being written and every error hits a DLQ request. Every poison record must land
-/// in the DLQ exactly once, every ordinary record in the output.
-async fn dead_letters_survive(name: &str, errors: &[RDKafkaRespErr]) {
-    let p = MockPipeline::new(name, 1);
+/// records are held until the ordinary sessions are done, and then the DLQ's requests get
+/// `errors`, one each. Every poison record must land in the DLQ exactly once, every ordinary
+/// record in the output.
+async fn dead_letters_survive(name: &str, port: u16, errors: &[RDKafkaRespErr]) {
+    let p = RelayedPipeline::new(name, port).await;
     p.produce("ok-", 20, 10).await;
     p.produce("bad-", 8, 10).await;
     let gate = Gate::default();
@@ -466,13 +540,18 @@ async fn dead_letters_survive(name: &str, errors: &[RDKafkaRespErr]) {
         .unwrap();
     // Every output acknowledged (counted on its ack): from now on only the DLQ is written.
     wait_for_outputs(&worker, 200).await;
-    p.cluster.request_errors(RDKafkaApiKey::Produce, errors);
+    p.relay.refuse_produce(&p.topics.dlq, &codes(errors));
     gate.open();
     let metrics = worker.metrics.clone();
     let report = p.settle(worker).await;
     eprintln!(
         "dead letters counted: {}",
         metrics.dlq.with_label_values(&["poison"]).get()
+    );
+    assert_eq!(
+        p.relay.produce_refused(),
+        errors.len(),
+        "every error was sent"
     );
 
     let dlq = p.read(&p.topics.dlq);
@@ -528,6 +607,7 @@ async fn retriable_dlq_produce_errors_lose_no_dead_letter() {
     use RDKafkaRespErr::*;
     dead_letters_survive(
         "dlq-retriable",
+        DLQ_RETRIABLE_PORT,
         &[
             RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS,
             RD_KAFKA_RESP_ERR_REQUEST_TIMED_OUT,
@@ -547,6 +627,7 @@ async fn a_refused_dlq_write_is_written_again() {
     use RDKafkaRespErr::*;
     dead_letters_survive(
         "dlq-refused",
+        DLQ_REFUSED_PORT,
         &[
             RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS,
             RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE,
@@ -562,17 +643,17 @@ async fn a_refused_dlq_write_is_written_again() {
 /// commits to the end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dlq_refused_for_a_while_makes_the_worker_unready_and_reports_the_stuck_record() {
-    let p = MockPipeline::new("dlq-blocked", 1);
+    let p = RelayedPipeline::new("dlq-blocked", DLQ_BLOCKED_PORT).await;
     // 20 sessions: every partition gets some (an empty one would never be committed).
     p.produce("bad-", 20, 1).await;
     let mut stage = p.stage();
     stage.settings.stuck.get_or_insert_default().timeout_ms = 1_000;
     let handler =
         RecordingHandler::new(|s, q, _| Err(HandlerError::Poison(format!("cannot parse {s}:{q}"))));
-    // Every Produce request is refused as too large: only dead letters are written here.
-    p.cluster.request_errors(
-        RDKafkaApiKey::Produce,
-        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE; 10_000],
+    // Every write to the DLQ is refused as too large (only dead letters are written here).
+    p.relay.refuse_produce(
+        &p.topics.dlq,
+        &[code(RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE); 10_000],
     );
     let worker = sessionflow_worker::start(stage, handler.clone())
         .await
@@ -595,7 +676,7 @@ async fn a_dlq_refused_for_a_while_makes_the_worker_unready_and_reports_the_stuc
         "not ready while a dead letter is refused"
     );
     assert_eq!(m.dlq.with_label_values(&["poison"]).get(), 0);
-    p.cluster.clear_request_errors(RDKafkaApiKey::Produce);
+    p.relay.accept_produce();
     wait_until(Duration::from_secs(60), || {
         m.blocked_writes.get() == 0 && worker.health.is_ready()
     })
@@ -636,28 +717,20 @@ async fn a_dlq_refused_for_a_while_makes_the_worker_unready_and_reports_the_stuc
 /// record could ever finish; so it is injected as a burst of `count` errors, and the records
 /// are finished by the member once it is back.
 ///
-/// On Apache Kafka: a node of the test's own on `port`, behind the tests' relay, which answers
-/// the worker's `OffsetCommit` requests with `error` itself (the node never sees them) while
-/// the group's other requests go through.
+/// On Apache Kafka ([`RelayedPipeline`]): the relay answers the worker's `OffsetCommit`
+/// requests with `error` itself (the node never sees them) while the group's other requests go
+/// through.
 async fn commits_converge_after_failing_for_a_while(
     name: &str,
     port: u16,
     error: RDKafkaRespErr,
     count: usize,
 ) {
-    let (relay, node) = broker_behind_relay(port).await;
-    let brokers = node.bootstrap.clone();
-    let topics = Topics::named(name);
-    node.create_topics(&[
-        (&topics.input, PARTITIONS),
-        (&topics.output, PARTITIONS),
-        (&topics.dlq, 1),
-    ])
-    .await;
-    produce_on(&brokers, &topics, "session-", 20, 25).await;
-    relay.refuse_offset_commits(error as i16, count);
+    let p = RelayedPipeline::new(name, port).await;
+    p.produce("session-", 20, 25).await;
+    p.relay.refuse_offset_commits(code(error), count);
     let handler = slow_pass_through(Duration::from_millis(10));
-    let worker = sessionflow_worker::start(stage_on(&brokers, &topics), handler.clone())
+    let worker = sessionflow_worker::start(p.stage(), handler.clone())
         .await
         .unwrap();
     wait_until(Duration::from_secs(120), || {
@@ -667,15 +740,15 @@ async fn commits_converge_after_failing_for_a_while(
     .expect("every record processed while commits fail");
     tokio::time::sleep(Duration::from_secs(2)).await;
     let committed_while_failing =
-        sessionflow_tests::committed_offsets_on(&brokers, &topics.group, &topics.input);
+        sessionflow_tests::committed_offsets_on(&p.brokers, &p.topics.group, &p.topics.input);
     let commit_errors = worker.metrics.commit_errors.get();
-    let refused = relay.offset_commits_refused();
+    let refused = p.relay.offset_commits_refused();
     eprintln!(
         "while commits failed ({error:?}): committed {committed_while_failing:?}, \
          commit errors counted {commit_errors}, commits refused {refused}"
     );
-    relay.accept_offset_commits();
-    settle_on(&brokers, &topics, worker).await;
+    p.relay.accept_offset_commits();
+    p.settle(worker).await;
     print_order_problems(&handler);
     assert!(
         refused > 0,
@@ -688,12 +761,6 @@ async fn commits_converge_after_failing_for_a_while(
         "commits failed for seconds ({error:?}) and sessionflow_commit_errors_total stayed 0"
     );
 }
-
-/// The first port of each commit-error test's node (four each; all the relayed nodes' ports are
-/// listed at `sessionflow_tests::relay::broker_behind_relay`).
-const COMMIT_REBALANCING_PORT: u16 = 19600;
-const COMMIT_GENERATION_PORT: u16 = 19604;
-const COMMIT_COORDINATOR_PORT: u16 = 19608;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn commits_converge_after_rebalance_in_progress_errors() {
@@ -753,24 +820,20 @@ async fn the_coordinator_moving_mid_run_loses_nothing() {
 
 // ---- slow acks ------------------------------------------------------------------------------
 
-/// Every broker answers every request 300 ms late (produce acks included) from mid-run on:
-/// many outputs of a session are in flight at once; order and completeness hold.
+/// The node answers every request 300 ms late (produce acks included) from mid-run on: many
+/// outputs of a session are in flight at once; order and completeness hold.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_produce_acks_keep_order_and_lose_nothing() {
-    let p = MockPipeline::new("slow-acks", 3);
+    let p = RelayedPipeline::new("slow-acks", SLOW_ACKS_PORT).await;
     p.produce("session-", 40, 25).await;
     let handler = slow_pass_through(Duration::from_millis(5));
     let worker = sessionflow_worker::start(p.stage(), handler.clone())
         .await
         .unwrap();
     wait_for_outputs(&worker, 50).await;
-    p.cluster
-        .broker_round_trip_time(-1, Duration::from_millis(300))
-        .unwrap();
+    p.relay.delay_answers(Duration::from_millis(300));
     wait_for_outputs(&worker, 1_000).await;
-    p.cluster
-        .broker_round_trip_time(-1, Duration::ZERO)
-        .unwrap();
+    p.relay.delay_answers(Duration::ZERO);
     let report = p.settle(worker).await;
     assert_eq!((report.records, report.dlq_records), (1_000, 0), "{report}");
     handler.assert_in_order();
