@@ -1012,6 +1012,19 @@ impl ScriptCluster {
         Self { port, bootstrap }
     }
 
+    /// A stage's topics of names no other test uses ([`Topics::named`]), created here: input and
+    /// output of `partitions` partitions, a DLQ of one.
+    pub async fn create_stage_topics(&self, name: &str, partitions: i32) -> Topics {
+        let topics = Topics::named(name);
+        self.create_topics(&[
+            (&topics.input, partitions),
+            (&topics.output, partitions),
+            (&topics.dlq, 1),
+        ])
+        .await;
+        topics
+    }
+
     /// Creates `topics` (each a name and its partitions) on this cluster, one replica each.
     pub async fn create_topics(&self, topics: &[(&str, i32)]) {
         use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};

@@ -1,4 +1,4 @@
-//! The one request the relay can answer itself: an `OffsetCommit`, refused with an error code
+//! One of the two requests the relay can answer itself: an `OffsetCommit`, refused with an error code
 //! for every partition it names, as a coordinator refuses a commit it does not store.
 //!
 //! To answer, the relay reads the request far enough to know its version, its correlation id

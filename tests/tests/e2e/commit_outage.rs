@@ -39,14 +39,7 @@ async fn relayed_cluster(
     partitions: i32,
 ) -> (Relay, ScriptCluster, String, Topics) {
     let (relay, cluster) = broker_behind_relay(port).await;
-    let topics = Topics::named(name);
-    cluster
-        .create_topics(&[
-            (&topics.input, partitions),
-            (&topics.output, partitions),
-            (&topics.dlq, 1),
-        ])
-        .await;
+    let topics = cluster.create_stage_topics(name, partitions).await;
     let brokers = cluster.bootstrap.clone();
     (relay, cluster, brokers, topics)
 }

@@ -158,13 +158,7 @@ impl std::ops::Deref for RelayedPipeline {
 impl RelayedPipeline {
     async fn new(name: &str, port: u16) -> Self {
         let (relay, node) = broker_behind_relay(port).await;
-        let topics = Topics::named(name);
-        node.create_topics(&[
-            (&topics.input, PARTITIONS),
-            (&topics.output, PARTITIONS),
-            (&topics.dlq, 1),
-        ])
-        .await;
+        let topics = node.create_stage_topics(name, PARTITIONS).await;
         Self {
             relay,
             pipeline: Pipeline {

@@ -325,10 +325,7 @@ impl WorkerRun {
     /// barrier while writes are held.
     async fn start(port: u16, name: &str, extra: &str, setting: (&str, &str)) -> Self {
         let (relay, cluster) = broker_behind_relay(port).await;
-        let topics = Topics::named(name);
-        cluster
-            .create_topics(&[(&topics.input, 4), (&topics.output, 4), (&topics.dlq, 1)])
-            .await;
+        let topics = cluster.create_stage_topics(name, 4).await;
         let load = LoadgenOptions {
             choice: SessionChoice::RoundRobin,
             ..LoadgenOptions::new(&cluster.bootstrap, &topics.input, RECORDS, 100)

@@ -23,7 +23,7 @@ use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use sessionflow_tests::relay::{broker_behind_relay, OFFSET_COMMIT, OFFSET_FETCH};
 use sessionflow_tests::{
-    end_offsets_on, unique, verify_on, wait_committed_to_end_on, wait_until, MockKafka, Topics,
+    end_offsets_on, unique, verify_on, wait_committed_to_end_on, wait_until, MockKafka,
     WorkerProcess,
 };
 use sessionflow_tools::loadgen::{self, LoadgenOptions, SessionChoice};
@@ -159,13 +159,8 @@ fn output_create_times(brokers: &str, topic: &str) -> Vec<i64> {
 async fn the_gate_closes_while_the_consumer_loop_is_blocked() {
     let (relay, cluster) = broker_behind_relay(BLOCKED_PORT).await;
     let brokers = cluster.bootstrap.clone();
-    let topics = Topics::named("fence-blocked");
-    cluster
-        .create_topics(&[
-            (&topics.input, PARTITIONS),
-            (&topics.output, PARTITIONS),
-            (&topics.dlq, 1),
-        ])
+    let topics = cluster
+        .create_stage_topics("fence-blocked", PARTITIONS)
         .await;
     const BLOCKED_RECORDS: u64 = 2_000;
     let opts = LoadgenOptions {

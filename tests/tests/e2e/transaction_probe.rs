@@ -27,10 +27,7 @@ const METRICS_PORT: u16 = 19527;
 async fn broker_with(settings: &[&str], name: &str) -> (ScriptCluster, Topics) {
     let args: Vec<&str> = settings.iter().flat_map(|s| ["--set", *s]).collect();
     let cluster = ScriptCluster::start(PORT, &args);
-    let topics = Topics::named(name);
-    cluster
-        .create_topics(&[(&topics.input, 2), (&topics.output, 2), (&topics.dlq, 1)])
-        .await;
+    let topics = cluster.create_stage_topics(name, 2).await;
     loadgen::run(&LoadgenOptions::new(
         &cluster.bootstrap,
         &topics.input,
