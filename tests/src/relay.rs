@@ -13,9 +13,10 @@
 //! coordinator's `EndTxn`: an abort that waits); the node's answers can be delayed (a slow link
 //! or a slow broker: every round trip longer); and two kinds of request can be refused — the
 //! relay answers them with an error code itself, and the node never sees them: an
-//! `OffsetCommit` (a coordinator loading, moving or rebalancing the group: [`offset_commit`])
-//! and a `Produce` to a chosen topic (a leader short of replicas, a batch too large, a topic the
-//! client may not write: [`produce`]). Their layouts on the wire are read in [`wire`].
+//! `OffsetCommit` (a coordinator loading, moving or rebalancing the group: [`offset_commit`]),
+//! a `Produce` to a chosen topic (a leader short of replicas, a batch too large, a topic the
+//! client may not write: [`produce`]) and a `Heartbeat` (a coordinator that forgot the member:
+//! [`heartbeat`]). Their layouts on the wire are read in [`wire`].
 //!
 //! Clients reach it as the node's advertised address (`scripts/kafka.sh start --proxied`
 //! advertises port P+3 for the node on P).
@@ -31,6 +32,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
+mod heartbeat;
 mod offset_commit;
 mod produce;
 mod wire;
@@ -39,6 +41,7 @@ mod wire;
 pub const PRODUCE: i16 = 0;
 pub const OFFSET_COMMIT: i16 = 8;
 pub const OFFSET_FETCH: i16 = 9;
+pub const HEARTBEAT: i16 = 12;
 pub const END_TXN: i16 = 26;
 
 /// The relay: forwards every connection made to its address to the node's; stopped when dropped.
@@ -63,6 +66,9 @@ struct Refusals {
     /// `OffsetCommit`: the error code, and how many more requests get it.
     commits: Option<(i16, usize)>,
     commits_refused: usize,
+    /// `Heartbeat`: the error code, and how many more requests get it.
+    heartbeats: Option<(i16, usize)>,
+    heartbeats_refused: usize,
     /// `Produce` requests that write to the topic: the error codes for the next ones, in turn.
     produce: Option<(String, VecDeque<i16>)>,
     produce_refused: usize,
@@ -73,15 +79,18 @@ impl Refusals {
     fn answer(&mut self, frame: &[u8]) -> Option<Vec<u8>> {
         match api_key(frame)? {
             OFFSET_COMMIT => {
-                let (code, left) = self.commits.as_mut()?;
+                self.commits.as_ref()?;
                 let commit = offset_commit::Commit::read(frame)?;
-                let code = *code;
-                *left -= 1;
-                if *left == 0 {
-                    self.commits = None;
-                }
+                let code = count_down(&mut self.commits)?;
                 self.commits_refused += 1;
                 Some(commit.refusal(code))
+            }
+            HEARTBEAT => {
+                self.heartbeats.as_ref()?;
+                let heartbeat = heartbeat::Heartbeat::read(frame)?;
+                let code = count_down(&mut self.heartbeats)?;
+                self.heartbeats_refused += 1;
+                Some(heartbeat.refusal(code))
             }
             PRODUCE => {
                 let (topic, codes) = self.produce.as_mut()?;
@@ -98,6 +107,17 @@ impl Refusals {
     }
 }
 
+/// The error code of a refusal that counts down, if one is left (the last one clears it).
+fn count_down(refusals: &mut Option<(i16, usize)>) -> Option<i16> {
+    let (code, left) = refusals.as_mut()?;
+    let code = *code;
+    *left -= 1;
+    if *left == 0 {
+        *refusals = None;
+    }
+    Some(code)
+}
+
 /// A broker of its own behind a relay: `scripts/kafka.sh start --proxied` on `port` … `port +
 /// 3`, which advertises `port + 3`, where the relay listens. The relay starts first: the script
 /// reaches the broker at its advertised address to see it ready. From a multi-thread runtime
@@ -105,7 +125,7 @@ impl Refusals {
 ///
 /// The e2e tests' relayed nodes take four ports each from: 19530, 19540, 19550 (`late_writes`),
 /// 19560 (`slow_transaction_calls`), 19570 (`membership`), 19580 … 19596 (`commit_outage`) and
-/// 19600 … 19636 (`faults`).
+/// 19600 … 19636 (`faults`), 19640 and 19644 (`purges`).
 pub async fn broker_behind_relay(port: u16) -> (Relay, crate::ScriptCluster) {
     let relay = Relay::start(
         &format!("127.0.0.1:{}", port + 3),
@@ -204,6 +224,17 @@ impl Relay {
         self.refusals.lock().unwrap().commits_refused
     }
 
+    /// The next `times` `Heartbeat` requests, from any client, are answered by the relay with
+    /// `error_code`, and never reach the node.
+    pub fn refuse_heartbeats(&self, error_code: i16, times: usize) {
+        self.refusals.lock().unwrap().heartbeats = (times > 0).then_some((error_code, times));
+    }
+
+    /// How many `Heartbeat` requests the relay has refused so far.
+    pub fn heartbeats_refused(&self) -> usize {
+        self.refusals.lock().unwrap().heartbeats_refused
+    }
+
     /// The next `Produce` requests that write to `topic`, from any client, are answered by the
     /// relay with `error_codes` in turn (one a request, for every partition it writes), and
     /// never reach the node. Requests to other topics go through. Replaces what was left of
@@ -262,9 +293,9 @@ struct Order {
 
 /// Relays one connection: the client's frames are read as they come (so that every request it
 /// has sent is counted) and written to the node in order, each when the relay does not hold its
-/// kind, and a produce request only once every earlier one is forwarded — or, for an
-/// `OffsetCommit` the relay is told to refuse, answered here once the node has answered what
-/// was forwarded before it. The node's answers go back whole and in order, each when the
+/// kind, and a produce request only once every earlier one is forwarded — or, for a request
+/// the relay is told to refuse, answered here once the node has answered what was forwarded
+/// before it. The node's answers go back whole and in order, each when the
 /// relay's delay has passed since it came.
 ///
 /// Every request forwarded is taken to be answered (no producer with `acks=0` goes through the

@@ -1,27 +1,32 @@
 //! Results still on their way when a partition leaves: taken back from the producer, and
 //! nothing lost by taking them back.
 //!
-//! librdkafka's mock cluster, for its fault hook: every Produce request is refused with a
-//! retriable error (`NOT_ENOUGH_REPLICAS`) for as long as the test wants, so the worker's
-//! results sit in its producer, retried, while its partitions change hands. Whatever the
-//! producer still holds of a partition that has left must never be sent (it could land after
-//! the next owner's results), so it is purged; the purge takes back the writes of the
-//! partitions still owned too, which are written again, and the records whose writes were
-//! taken back are replayed by whoever owns their partition next — verify finds nothing lost.
+//! On Apache Kafka, a node of the test's own behind the tests' relay (`sessionflow_tests::relay`),
+//! which answers every Produce request to the output with a retriable error
+//! (`NOT_ENOUGH_REPLICAS`) for as long as the test wants: the worker's results sit in its
+//! producer, retried, while its partitions change hands. Whatever the producer still holds of a
+//! partition that has left must never be sent (it could land after the next owner's results),
+//! so it is purged; the purge takes back the writes of the partitions still owned too, which
+//! are written again, and the records whose writes were taken back are replayed by whoever owns
+//! their partition next — verify finds nothing lost.
 //!
 //! - a revocation whose write fence ran out (the group's rebalance timeout bounds it:
-//!   `max.poll.interval.ms` 15 s here, so the fence waits 8.5 s). On the mock the membership
-//!   fence purges first (the mock's rebalance goes without a word from the coordinator for
-//!   longer than ⅔ of the session timeout), so this test shows that nothing is lost when the
-//!   writes are taken back, not which of the two purges took them (without the revocation's
-//!   own purge it passes as well);
-//! - a lost assignment (the coordinator answers a heartbeat with `UNKNOWN_MEMBER_ID`:
-//!   librdkafka drops the partitions as lost, and the member joins again).
+//!   `max.poll.interval.ms` 15 s here, so the fence waits 8.5 s). Kafka's coordinator waits
+//!   for the revoking member and keeps answering it meanwhile, so the membership fence stays
+//!   open and the purge is the revocation's own (on librdkafka's mock cluster, where this test
+//!   ran before, the rebalance went on without the member and the membership fence purged
+//!   first);
+//! - a lost assignment (the relay answers a heartbeat with `UNKNOWN_MEMBER_ID`, as a
+//!   coordinator that forgot the member: librdkafka drops the partitions as lost, and the member
+//!   joins again).
 
 use std::time::Duration;
 
-use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
-use sessionflow_tests::{http_get, wait_committed_to_end_on, wait_until, MockKafka, WorkerProcess};
+use rdkafka::types::RDKafkaRespErr;
+use sessionflow_tests::relay::{broker_behind_relay, Relay};
+use sessionflow_tests::{
+    http_get, verify_on, wait_committed_to_end_on, wait_until, ScriptCluster, Topics, WorkerProcess,
+};
 use sessionflow_tools::loadgen::{self, LoadgenOptions, SessionChoice};
 
 const PARTITIONS: i32 = 4;
@@ -29,41 +34,87 @@ const RECORDS: u64 = 6_000;
 /// The metrics endpoints of the workers that must purge (ports of these tests' own).
 const REVOKE_METRICS: u16 = 19480;
 const LOST_METRICS: u16 = 19481;
+/// The first port of each test's node (four each, the relay on the fourth; all the relayed
+/// nodes' ports are listed at `sessionflow_tests::relay::broker_behind_relay`).
+const REVOKE_PORT: u16 = 19640;
+const LOST_PORT: u16 = 19644;
 
-fn load(mock: &MockKafka) -> tokio::task::JoinHandle<anyhow::Result<loadgen::LoadgenReport>> {
-    let opts = LoadgenOptions {
-        choice: SessionChoice::RoundRobin,
-        rate: Some(300.0),
-        ..LoadgenOptions::new(&mock.brokers, &mock.topics.input, RECORDS, 200)
-    };
-    tokio::spawn(async move { loadgen::run(&opts).await })
+/// A node of the test's own behind a relay, with a stage's topics. It must outlive the test's
+/// workers.
+struct RelayedNode {
+    relay: Relay,
+    _node: ScriptCluster,
+    brokers: String,
+    topics: Topics,
 }
 
-/// A worker config on `mock`: cooperative rebalancing, a half-second drain, a rebalance
-/// timeout short enough for the write fence to run out within the test, and metrics on
-/// `metrics_port` if given.
-fn stage(mock: &MockKafka, metrics_port: Option<u16>) -> String {
-    let yaml = mock.stage_yaml(
-        "{latencyMs: 2, seed: 5}",
-        "rebalance: {strategy: cooperative, drainTimeoutMs: 500}",
-    );
-    let yaml = match metrics_port {
-        Some(port) => yaml.replace(
-            "metricsAddr: null",
-            &format!("metricsAddr: 127.0.0.1:{port}"),
-        ),
-        None => yaml,
-    };
-    // The `kafka:` map is the config's last section.
-    format!("{yaml}  max.poll.interval.ms: '15000'\n")
+impl RelayedNode {
+    async fn start(name: &str, port: u16) -> Self {
+        let (relay, node) = broker_behind_relay(port).await;
+        let topics = node.create_stage_topics(name, PARTITIONS).await;
+        Self {
+            relay,
+            brokers: node.bootstrap.clone(),
+            _node: node,
+            topics,
+        }
+    }
+
+    fn load(&self) -> tokio::task::JoinHandle<anyhow::Result<loadgen::LoadgenReport>> {
+        let opts = LoadgenOptions {
+            choice: SessionChoice::RoundRobin,
+            rate: Some(300.0),
+            ..LoadgenOptions::new(&self.brokers, &self.topics.input, RECORDS, 200)
+        };
+        tokio::spawn(async move { loadgen::run(&opts).await })
+    }
+
+    /// A worker config: cooperative rebalancing, a half-second drain, a rebalance timeout
+    /// short enough for the write fence to run out within the test, and metrics on
+    /// `metrics_port` if given.
+    fn stage(&self, metrics_port: Option<u16>) -> String {
+        let yaml = self.topics.stage_yaml_on(
+            &self.brokers,
+            "{latencyMs: 2, seed: 5}",
+            "rebalance: {strategy: cooperative, drainTimeoutMs: 500}",
+        );
+        let yaml = match metrics_port {
+            Some(port) => yaml.replace(
+                "metricsAddr: null",
+                &format!("metricsAddr: 127.0.0.1:{port}"),
+            ),
+            None => yaml,
+        };
+        // The `kafka:` map is the config's last section.
+        format!("{yaml}  max.poll.interval.ms: '15000'\n")
+    }
+
+    /// Records in the output topic.
+    fn output_count(&self) -> u64 {
+        sessionflow_tests::end_offsets_on(&self.brokers, &self.topics.output)
+            .iter()
+            .sum::<i64>() as u64
+    }
+
+    /// Starts refusing every Produce request to the output (retriably): results stay in the
+    /// producers.
+    fn refuse_produces(&self) {
+        let code = RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS as i16;
+        self.relay
+            .refuse_produce(&self.topics.output, &[code; 100_000]);
+    }
+
+    fn accept_produces(&self) {
+        self.relay.accept_produce();
+    }
 }
 
 /// Once the worker logging to `log` (metrics on `port`) has said `event` (within 90 s), what
 /// it has taken back from its producer; produces are accepted again either way.
-async fn taken_back_once(mock: &MockKafka, log: &std::path::Path, port: u16, event: &str) -> u64 {
+async fn taken_back_once(node: &RelayedNode, log: &std::path::Path, port: u16, event: &str) -> u64 {
     let happened = wait_until(Duration::from_secs(90), || read(log).contains(event)).await;
     let taken = taken_back_soon(port).await;
-    accept_produces(mock);
+    node.accept_produces();
     happened.unwrap_or_else(|()| panic!("the worker never said \"{event}\":\n{}", read(log)));
     taken
 }
@@ -92,16 +143,6 @@ async fn taken_back(port: u16) -> u64 {
         .map_or(0, |v| v as u64)
 }
 
-/// Starts refusing every Produce request (retriably): results stay in the producers.
-fn refuse_produces(mock: &MockKafka) {
-    let errors = [RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS; 20_000];
-    mock.cluster.request_errors(RDKafkaApiKey::Produce, &errors);
-}
-
-fn accept_produces(mock: &MockKafka) {
-    mock.cluster.clear_request_errors(RDKafkaApiKey::Produce);
-}
-
 /// A worker logging at info to a file of its own, and a reader of that file.
 fn logged_worker(yaml: &str, name: &str) -> (WorkerProcess, std::path::PathBuf) {
     let log = std::env::temp_dir().join(sessionflow_tests::unique(name) + ".log");
@@ -119,11 +160,11 @@ fn read(log: &std::path::Path) -> String {
 }
 
 /// After the faults: everything committed, nothing lost, in order.
-async fn settle_and_verify(mock: &MockKafka, what: &str) {
-    wait_committed_to_end_on(&mock.brokers, &mock.topics, Duration::from_secs(180))
+async fn settle_and_verify(node: &RelayedNode, what: &str) {
+    wait_committed_to_end_on(&node.brokers, &node.topics, Duration::from_secs(180))
         .await
         .unwrap_or_else(|(committed, end)| panic!("committed {committed:?} never reached {end:?}"));
-    let report = mock.verify();
+    let report = verify_on(&node.brokers, &node.topics);
     eprintln!("{what}:\n{report}");
     assert_eq!(report.lost, 0, "{report}");
     assert_eq!(report.order_violations, 0, "{report}");
@@ -135,10 +176,11 @@ async fn settle_and_verify(mock: &MockKafka, what: &str) {
     );
 }
 
-/// One worker (metrics on `port`, logging to a file) on a split mock, loaded, past its first
-/// 500 outputs, with every Produce refused from then on: its results stay in its producer.
+/// One worker (metrics on `port`, logging to a file) on a relayed node of its own, loaded, past
+/// its first 500 outputs, with every Produce to the output refused from then on: its results
+/// stay in its producer.
 struct Refused {
-    mock: MockKafka,
+    node: RelayedNode,
     load: tokio::task::JoinHandle<anyhow::Result<loadgen::LoadgenReport>>,
     worker: WorkerProcess,
     log: std::path::PathBuf,
@@ -146,16 +188,16 @@ struct Refused {
 }
 
 impl Refused {
-    async fn start(name: &str, port: u16) -> Self {
-        let mock = MockKafka::split(name, PARTITIONS);
-        let load = load(&mock);
-        let (worker, log) = logged_worker(&stage(&mock, Some(port)), name);
-        wait_until(Duration::from_secs(90), || mock.output_count() >= 500)
+    async fn start(name: &str, node_port: u16, port: u16) -> Self {
+        let node = RelayedNode::start(name, node_port).await;
+        let load = node.load();
+        let (worker, log) = logged_worker(&node.stage(Some(port)), name);
+        wait_until(Duration::from_secs(90), || node.output_count() >= 500)
             .await
             .expect("progress before the refusals");
-        refuse_produces(&mock);
+        node.refuse_produces();
         Self {
-            mock,
+            node,
             load,
             worker,
             log,
@@ -166,7 +208,7 @@ impl Refused {
     /// Once the worker has said `event`, asserts it took writes back (`what` names the case)
     /// and accepts produces again.
     async fn assert_taken_back_at(&self, event: &str, what: &str) {
-        let taken = taken_back_once(&self.mock, &self.log, self.port, event).await;
+        let taken = taken_back_once(&self.node, &self.log, self.port, event).await;
         assert!(
             taken > 0,
             "{what}, and nothing was taken back:\n{}",
@@ -177,7 +219,7 @@ impl Refused {
     /// After the load: everything committed, nothing lost, in order; the workers stopped.
     async fn finish(self, what: &str, others: Vec<WorkerProcess>) {
         self.load.await.unwrap().expect("loadgen");
-        settle_and_verify(&self.mock, what).await;
+        settle_and_verify(&self.node, what).await;
         let _ = std::fs::remove_file(&self.log);
         for w in others {
             let _ = w.terminate();
@@ -188,9 +230,9 @@ impl Refused {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revocation_whose_write_fence_runs_out_purges_the_producer_and_loses_nothing() {
-    let run = Refused::start("purge-revoke", REVOKE_METRICS).await;
+    let run = Refused::start("purge-revoke", REVOKE_PORT, REVOKE_METRICS).await;
     // A second member joins: the first revokes two partitions whose results cannot land.
-    let second = WorkerProcess::spawn(&stage(&run.mock, None));
+    let second = WorkerProcess::spawn(&run.node.stage(None));
     run.assert_taken_back_at("still unacknowledged", "the fence ran out")
         .await;
     run.finish(
@@ -202,12 +244,12 @@ async fn a_revocation_whose_write_fence_runs_out_purges_the_producer_and_loses_n
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_assignment_with_results_on_their_way_purges_the_producer_and_loses_nothing() {
-    let run = Refused::start("purge-lost", LOST_METRICS).await;
+    let run = Refused::start("purge-lost", LOST_PORT, LOST_METRICS).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     // The coordinator forgets the member: its partitions are lost, with results on their way.
-    run.mock.cluster.request_errors(
-        RDKafkaApiKey::Heartbeat,
-        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN_MEMBER_ID],
+    run.node.relay.refuse_heartbeats(
+        RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN_MEMBER_ID as i16,
+        1,
     );
     run.assert_taken_back_at(
         "partitions lost",
