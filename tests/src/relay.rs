@@ -11,9 +11,10 @@
 //! changes or drops a request it forwards. Other kinds of request can be held the same way
 //! (the group coordinator's offset requests: a coordinator that stops answering; a transaction
 //! coordinator's `EndTxn`: an abort that waits); the node's answers can be delayed (a slow link
-//! or a slow broker: every round trip longer); and two kinds of request can be refused — the
+//! or a slow broker: every round trip longer); and four kinds of request can be refused — the
 //! relay answers them with an error code itself, and the node never sees them: an
 //! `OffsetCommit` (a coordinator loading, moving or rebalancing the group: [`offset_commit`]),
+//! an `OffsetFetch` (a coordinator that cannot serve the group's offsets now: [`offset_fetch`]),
 //! a `Produce` to a chosen topic (a leader short of replicas, a batch too large, a topic the
 //! client may not write: [`produce`]) and a `Heartbeat` (a coordinator that forgot the member:
 //! [`heartbeat`]). Their layouts on the wire are read in [`wire`].
@@ -34,6 +35,7 @@ use tokio::time::Instant;
 
 mod heartbeat;
 mod offset_commit;
+mod offset_fetch;
 mod produce;
 mod wire;
 
@@ -63,59 +65,44 @@ pub struct Relay {
 /// The requests to answer with an error code instead of forwarding.
 #[derive(Default)]
 struct Refusals {
-    /// `OffsetCommit`: the error code, and how many more requests get it.
-    commits: Option<(i16, usize)>,
-    commits_refused: usize,
-    /// `Heartbeat`: the error code, and how many more requests get it.
-    heartbeats: Option<(i16, usize)>,
-    heartbeats_refused: usize,
+    /// `OffsetCommit`, `OffsetFetch` and `Heartbeat`, by API key: the error code, and how many
+    /// more requests get it.
+    by_key: HashMap<i16, (i16, usize)>,
     /// `Produce` requests that write to the topic: the error codes for the next ones, in turn.
     produce: Option<(String, VecDeque<i16>)>,
-    produce_refused: usize,
+    /// How many requests were refused so far, by API key.
+    refused: HashMap<i16, usize>,
 }
 
 impl Refusals {
     /// The relay's answer to `frame`, if it is a request to refuse (counted as refused).
     fn answer(&mut self, frame: &[u8]) -> Option<Vec<u8>> {
-        match api_key(frame)? {
-            OFFSET_COMMIT => {
-                self.commits.as_ref()?;
-                let commit = offset_commit::Commit::read(frame)?;
-                let code = count_down(&mut self.commits)?;
-                self.commits_refused += 1;
-                Some(commit.refusal(code))
+        let key = api_key(frame)?;
+        let answer = if key == PRODUCE {
+            let (topic, codes) = self.produce.as_mut()?;
+            let produce = produce::Produce::read(frame).filter(|p| p.writes(topic))?;
+            let code = codes.pop_front()?;
+            if codes.is_empty() {
+                self.produce = None;
             }
-            HEARTBEAT => {
-                self.heartbeats.as_ref()?;
-                let heartbeat = heartbeat::Heartbeat::read(frame)?;
-                let code = count_down(&mut self.heartbeats)?;
-                self.heartbeats_refused += 1;
-                Some(heartbeat.refusal(code))
+            produce.refusal(code)
+        } else {
+            let (code, left) = self.by_key.get_mut(&key)?;
+            let answer = match key {
+                OFFSET_COMMIT => offset_commit::Commit::read(frame)?.refusal(*code),
+                OFFSET_FETCH => offset_fetch::Fetch::read(frame)?.refusal(*code),
+                HEARTBEAT => heartbeat::Heartbeat::read(frame)?.refusal(*code),
+                _ => return None,
+            };
+            *left -= 1;
+            if *left == 0 {
+                self.by_key.remove(&key);
             }
-            PRODUCE => {
-                let (topic, codes) = self.produce.as_mut()?;
-                let produce = produce::Produce::read(frame).filter(|p| p.writes(topic))?;
-                let code = codes.pop_front()?;
-                if codes.is_empty() {
-                    self.produce = None;
-                }
-                self.produce_refused += 1;
-                Some(produce.refusal(code))
-            }
-            _ => None,
-        }
+            answer
+        };
+        *self.refused.entry(key).or_default() += 1;
+        Some(answer)
     }
-}
-
-/// The error code of a refusal that counts down, if one is left (the last one clears it).
-fn count_down(refusals: &mut Option<(i16, usize)>) -> Option<i16> {
-    let (code, left) = refusals.as_mut()?;
-    let code = *code;
-    *left -= 1;
-    if *left == 0 {
-        *refusals = None;
-    }
-    Some(code)
 }
 
 /// A broker of its own behind a relay: `scripts/kafka.sh start --proxied` on `port` … `port +
@@ -125,7 +112,7 @@ fn count_down(refusals: &mut Option<(i16, usize)>) -> Option<i16> {
 ///
 /// The e2e tests' relayed nodes take four ports each from: 19530, 19540, 19550 (`late_writes`),
 /// 19560 (`slow_transaction_calls`), 19570 (`membership`), 19580 … 19596 (`commit_outage`) and
-/// 19600 … 19636 (`faults`), 19640 and 19644 (`purges`).
+/// 19600 … 19636 (`faults`), 19640 and 19644 (`purges`), 19648 (`membership`).
 pub async fn broker_behind_relay(port: u16) -> (Relay, crate::ScriptCluster) {
     let relay = Relay::start(
         &format!("127.0.0.1:{}", port + 3),
@@ -207,32 +194,22 @@ impl Relay {
         self.delay.send_replace(by);
     }
 
-    /// The next `times` `OffsetCommit` requests, from any client, are answered by the relay
-    /// with `error_code` for every partition they name, and never reach the node (after the
-    /// answers to what their connection sent before them, as a broker answers in order).
-    pub fn refuse_offset_commits(&self, error_code: i16, times: usize) {
-        self.refusals.lock().unwrap().commits = (times > 0).then_some((error_code, times));
-    }
-
-    /// Forwards `OffsetCommit` requests again, however many refusals were left.
-    pub fn accept_offset_commits(&self) {
-        self.refusals.lock().unwrap().commits = None;
-    }
-
-    /// How many `OffsetCommit` requests the relay has refused so far.
-    pub fn offset_commits_refused(&self) -> usize {
-        self.refusals.lock().unwrap().commits_refused
-    }
-
-    /// The next `times` `Heartbeat` requests, from any client, are answered by the relay with
-    /// `error_code`, and never reach the node.
-    pub fn refuse_heartbeats(&self, error_code: i16, times: usize) {
-        self.refusals.lock().unwrap().heartbeats = (times > 0).then_some((error_code, times));
-    }
-
-    /// How many `Heartbeat` requests the relay has refused so far.
-    pub fn heartbeats_refused(&self) -> usize {
-        self.refusals.lock().unwrap().heartbeats_refused
+    /// The next `times` requests with `api_key` — `OFFSET_COMMIT`, `OFFSET_FETCH` or
+    /// `HEARTBEAT` —, from any client, are answered by the relay with `error_code` (for every
+    /// partition or group they name), and never reach the node: after the answers to what their
+    /// connection sent before them, as a broker answers in order. Replaces what was left of an
+    /// earlier call for the key.
+    pub fn refuse(&self, api_key: i16, error_code: i16, times: usize) {
+        assert!(
+            [OFFSET_COMMIT, OFFSET_FETCH, HEARTBEAT].contains(&api_key),
+            "the relay cannot answer API key {api_key} itself"
+        );
+        let mut refusals = self.refusals.lock().unwrap();
+        if times > 0 {
+            refusals.by_key.insert(api_key, (error_code, times));
+        } else {
+            refusals.by_key.remove(&api_key);
+        }
     }
 
     /// The next `Produce` requests that write to `topic`, from any client, are answered by the
@@ -244,14 +221,25 @@ impl Relay {
             .then(|| (topic.to_string(), error_codes.iter().copied().collect()));
     }
 
-    /// Forwards `Produce` requests again, however many refusals were left.
-    pub fn accept_produce(&self) {
-        self.refusals.lock().unwrap().produce = None;
+    /// Forwards requests with `api_key` again, however many refusals were left.
+    pub fn accept(&self, api_key: i16) {
+        let mut refusals = self.refusals.lock().unwrap();
+        if api_key == PRODUCE {
+            refusals.produce = None;
+        } else {
+            refusals.by_key.remove(&api_key);
+        }
     }
 
-    /// How many `Produce` requests the relay has refused so far.
-    pub fn produce_refused(&self) -> usize {
-        self.refusals.lock().unwrap().produce_refused
+    /// How many requests with `api_key` the relay has refused so far.
+    pub fn refused(&self, api_key: i16) -> usize {
+        self.refusals
+            .lock()
+            .unwrap()
+            .refused
+            .get(&api_key)
+            .copied()
+            .unwrap_or(0)
     }
 
     /// How many produce requests clients have sent through the relay so far (held or not).

@@ -12,7 +12,7 @@
 use std::time::Duration;
 
 use rdkafka::types::RDKafkaRespErr;
-use sessionflow_tests::relay::{broker_behind_relay, Relay};
+use sessionflow_tests::relay::{broker_behind_relay, Relay, OFFSET_COMMIT};
 use sessionflow_tests::{
     end_offsets_on, verify_on, wait_committed_to_end_on, wait_until, ScriptCluster, Topics,
     WorkerProcess,
@@ -70,7 +70,8 @@ async fn a_crash_after_a_commit_outage_replays_at_most_the_in_flight_cap() {
         .expect("progress before the outage");
 
     // Every commit from now on fails (one error per request, far more than the test sends).
-    relay.refuse_offset_commits(
+    relay.refuse(
+        OFFSET_COMMIT,
         code(RDKafkaRespErr::RD_KAFKA_RESP_ERR_REBALANCE_IN_PROGRESS),
         5_000,
     );
@@ -85,14 +86,14 @@ async fn a_crash_after_a_commit_outage_replays_at_most_the_in_flight_cap() {
         still = if now == last { still + 1 } else { 0 };
         last = now;
     }
-    let refused = relay.offset_commits_refused();
+    let refused = relay.refused(OFFSET_COMMIT);
     let outage = outage_from.elapsed().as_secs_f64();
     eprintln!(
         "commit outage from {at_outage} outputs: the worker went on to {last}, \
          {refused} commits refused in {outage:.1} s"
     );
     first.kill();
-    relay.accept_offset_commits();
+    relay.accept(OFFSET_COMMIT);
     assert!(
         refused > 0,
         "no commit was refused: the test did not test it"
@@ -182,7 +183,8 @@ async fn a_final_commit_that_fails_for_good_exits_non_zero_and_loses_nothing() {
     let (relay, _node, brokers, topics, yaml) = stop_test(FINAL_FAILS_PORT, "final-fails", 6).await;
     let first = WorkerProcess::spawn(&yaml);
     wait_for_progress(&brokers, &topics).await;
-    relay.refuse_offset_commits(
+    relay.refuse(
+        OFFSET_COMMIT,
         code(RDKafkaRespErr::RD_KAFKA_RESP_ERR_COORDINATOR_NOT_AVAILABLE),
         100_000,
     );
@@ -191,8 +193,8 @@ async fn a_final_commit_that_fails_for_good_exits_non_zero_and_loses_nothing() {
         !status.success(),
         "a stop whose final commit failed must not exit 0, got {status}"
     );
-    assert!(relay.offset_commits_refused() > 0, "no commit was refused");
-    relay.accept_offset_commits();
+    assert!(relay.refused(OFFSET_COMMIT) > 0, "no commit was refused");
+    relay.accept(OFFSET_COMMIT);
 
     restart_and_verify(&brokers, &topics, &yaml, "final commit refused").await;
 }
@@ -215,14 +217,15 @@ async fn a_final_commit_refused_during_a_rebalance_is_retried_until_the_stops_de
     );
     wait_for_progress(&brokers, &topics).await;
     // About 25 tries fit in five seconds (a try every ~200 ms); these last three times as long.
-    relay.refuse_offset_commits(
+    relay.refuse(
+        OFFSET_COMMIT,
         code(RDKafkaRespErr::RD_KAFKA_RESP_ERR_REBALANCE_IN_PROGRESS),
         80,
     );
     let status = first.terminate();
     let said = std::fs::read_to_string(&log).unwrap_or_default();
     let _ = std::fs::remove_file(&log);
-    relay.accept_offset_commits();
+    relay.accept(OFFSET_COMMIT);
     assert!(
         status.success(),
         "a stop whose final commit was refused for a while exits 0 once it lands, got {status}:\n{}",
@@ -264,7 +267,8 @@ async fn a_stop_after_the_group_went_on_without_the_member_exits_0_and_loses_not
         std::fs::File::create(&log).expect("log file").into(),
     );
     wait_for_progress(&brokers, &topics).await;
-    relay.refuse_offset_commits(
+    relay.refuse(
+        OFFSET_COMMIT,
         code(RDKafkaRespErr::RD_KAFKA_RESP_ERR_ILLEGAL_GENERATION),
         100_000,
     );
@@ -279,7 +283,7 @@ async fn a_stop_after_the_group_went_on_without_the_member_exits_0_and_loses_not
         said.contains("partitions lost"),
         "the lost partitions are logged:\n{said}"
     );
-    relay.accept_offset_commits();
+    relay.accept(OFFSET_COMMIT);
 
     restart_and_verify(
         &brokers,

@@ -36,7 +36,7 @@ use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::mocking::MockCoordinator;
 use rdkafka::types::RDKafkaRespErr;
-use sessionflow_tests::relay::{broker_behind_relay, Relay};
+use sessionflow_tests::relay::{broker_behind_relay, Relay, OFFSET_COMMIT, PRODUCE};
 use sessionflow_tests::{
     assert_replays_within, builtin, verify_on, wait_committed_to_end_on, wait_until, Gate,
     MockKafka, RecordingHandler, ScriptCluster, Topics,
@@ -378,7 +378,7 @@ async fn retriable_produce_errors_on_the_output_are_retried_in_order() {
     let metrics = worker.metrics.clone();
     let report = p.settle(worker).await;
     assert_eq!(
-        p.relay.produce_refused(),
+        p.relay.refused(PRODUCE),
         errors.len(),
         "every error was sent"
     );
@@ -447,7 +447,7 @@ async fn refused_outputs_go_to_the_dlq_in_order(name: &str, port: u16, error: RD
     .expect("the refused request's records are reported");
     tokio::time::sleep(Duration::from_secs(1)).await;
     p.relay.delay_answers(Duration::ZERO);
-    assert_eq!(p.relay.produce_refused(), 1);
+    assert_eq!(p.relay.refused(PRODUCE), 1);
     let metrics = worker.metrics.clone();
     let report = p.settle(worker).await;
     let produce_errors = metrics.produce_errors.get();
@@ -543,7 +543,7 @@ async fn dead_letters_survive(name: &str, port: u16, errors: &[RDKafkaRespErr]) 
         metrics.dlq.with_label_values(&["poison"]).get()
     );
     assert_eq!(
-        p.relay.produce_refused(),
+        p.relay.refused(PRODUCE),
         errors.len(),
         "every error was sent"
     );
@@ -670,7 +670,7 @@ async fn a_dlq_refused_for_a_while_makes_the_worker_unready_and_reports_the_stuc
         "not ready while a dead letter is refused"
     );
     assert_eq!(m.dlq.with_label_values(&["poison"]).get(), 0);
-    p.relay.accept_produce();
+    p.relay.accept(PRODUCE);
     wait_until(Duration::from_secs(60), || {
         m.blocked_writes.get() == 0 && worker.health.is_ready()
     })
@@ -722,7 +722,7 @@ async fn commits_converge_after_failing_for_a_while(
 ) {
     let p = RelayedPipeline::new(name, port).await;
     p.produce("session-", 20, 25).await;
-    p.relay.refuse_offset_commits(code(error), count);
+    p.relay.refuse(OFFSET_COMMIT, code(error), count);
     let handler = slow_pass_through(Duration::from_millis(10));
     let worker = sessionflow_worker::start(p.stage(), handler.clone())
         .await
@@ -736,12 +736,12 @@ async fn commits_converge_after_failing_for_a_while(
     let committed_while_failing =
         sessionflow_tests::committed_offsets_on(&p.brokers, &p.topics.group, &p.topics.input);
     let commit_errors = worker.metrics.commit_errors.get();
-    let refused = p.relay.offset_commits_refused();
+    let refused = p.relay.refused(OFFSET_COMMIT);
     eprintln!(
         "while commits failed ({error:?}): committed {committed_while_failing:?}, \
          commit errors counted {commit_errors}, commits refused {refused}"
     );
-    p.relay.accept_offset_commits();
+    p.relay.accept(OFFSET_COMMIT);
     p.settle(worker).await;
     print_order_problems(&handler);
     assert!(

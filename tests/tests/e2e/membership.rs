@@ -1,30 +1,30 @@
-//! The membership fence (RELIABILITY.md, footnote 9): a silent coordinator on librdkafka's mock
-//! cluster, and a consumer loop blocked on one on Apache Kafka behind the tests' relay.
+//! The membership fence (RELIABILITY.md, footnote 9): a silent coordinator, and a consumer loop
+//! blocked on one, each on an Apache Kafka node of its own behind the tests' relay
+//! (`sessionflow_tests::relay`).
 //!
 //! A member whose group coordinator stops answering must stop writing before the coordinator
 //! could give its partitions to another member, and go on once it answers again. In the field
 //! this is a connection to the coordinator that hangs while the member is in a rejoin, where
 //! librdkafka itself never times the session out. That state cannot be reached on purpose in
 //! a test, so the test silences exactly what the worker listens to — the coordinator's answers
-//! to offset commits and offset fetches (each one answered "request timed out", which
+//! to offset commits and offset fetches (the relay answers each one "request timed out", which
 //! librdkafka retries until the silence ends, as it would a request on a hung connection) —
-//! and leaves librdkafka's heartbeats alone: librdkafka keeps the partitions assigned all
-//! along, and only the fence can stop the writes. (An error that says the coordinator is gone
-//! would not do: librdkafka then looks for a new one, stops heartbeating meanwhile, and times
-//! the session out itself.) Every answer is also slowed down (2 s) during the
-//! silence, so that writes are on their way when the fence closes: it must take them back and
-//! write them again once the coordinator answers (a write given up instead would never be
-//! committed, and the test would time out).
+//! and lets librdkafka's heartbeats through: the group keeps the member and librdkafka keeps
+//! the partitions assigned all along, and only the fence can stop the writes. (An error that
+//! says the coordinator is gone would not do: librdkafka then looks for a new one, stops
+//! heartbeating meanwhile, and times the session out itself.) Every answer of the node is also
+//! slowed down (2 s) during the silence, so that writes are on their way when the fence closes:
+//! it must take them back and write them again once the coordinator answers (a write given up
+//! instead would never be committed, and the test would time out).
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use sessionflow_tests::relay::{broker_behind_relay, OFFSET_COMMIT, OFFSET_FETCH};
 use sessionflow_tests::{
-    end_offsets_on, unique, verify_on, wait_committed_to_end_on, wait_until, MockKafka,
-    WorkerProcess,
+    end_offsets_on, unique, verify_on, wait_committed_to_end_on, wait_until, WorkerProcess,
 };
 use sessionflow_tools::loadgen::{self, LoadgenOptions, SessionChoice};
 
@@ -32,58 +32,55 @@ const PARTITIONS: i32 = 4;
 const RECORDS: u64 = 12_000;
 /// How long the coordinator stays silent: twice the workers' 6 s session timeout.
 const SILENCE: Duration = Duration::from_secs(12);
-/// How late the output broker's answers come during the silence.
+/// How late the node's answers come during the silence.
 const SLOW: Duration = Duration::from_secs(2);
-/// The broker of the output and the DLQ ([`MockKafka::split`]).
-const OUTPUT_BROKER: i32 = 2;
 /// After how much silence no write may start: the fence's 4 s (⅔ of the session timeout),
 /// plus a second for the last commit before the silence and the loop's turn.
 const FENCED_AFTER: Duration = Duration::from_secs(5);
-/// Ports of the blocked-loop test's broker: 19570 … 19573, the relay on 19573 (all the relayed
-/// nodes' ports are listed at `sessionflow_tests::relay::broker_behind_relay`).
+/// Ports of the tests' nodes, four each, the relay on the fourth (all the relayed nodes' ports
+/// are listed at `sessionflow_tests::relay::broker_behind_relay`).
 const BLOCKED_PORT: u16 = 19570;
+const SILENT_PORT: u16 = 19648;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_the_coordinator_stops_answering_stops_writing_until_it_answers_again() {
-    let mock = MockKafka::split("fence", PARTITIONS);
-    let brokers = mock.brokers.clone();
+    let (relay, node) = broker_behind_relay(SILENT_PORT).await;
+    let brokers = node.bootstrap.clone();
+    let topics = node.create_stage_topics("fence", PARTITIONS).await;
     let opts = LoadgenOptions {
         choice: SessionChoice::RoundRobin,
         rate: Some(300.0),
-        ..LoadgenOptions::new(&brokers, &mock.topics.input, RECORDS, 200)
+        ..LoadgenOptions::new(&brokers, &topics.input, RECORDS, 200)
     };
     let load = tokio::spawn(async move { loadgen::run(&opts).await });
-    let worker = WorkerProcess::spawn(&mock.stage_yaml("{latencyMs: 2, seed: 5}", ""));
-    wait_until(Duration::from_secs(90), || mock.output_count() >= 500)
+    let worker =
+        WorkerProcess::spawn(&topics.stage_yaml_on(&brokers, "{latencyMs: 2, seed: 5}", ""));
+    let outputs = || end_offsets_on(&brokers, &topics.output).iter().sum::<i64>();
+    wait_until(Duration::from_secs(90), || outputs() >= 500)
         .await
         .expect("progress before the silence");
 
-    let errors = [RDKafkaRespErr::RD_KAFKA_RESP_ERR_REQUEST_TIMED_OUT; 2_000];
+    let timed_out = RDKafkaRespErr::RD_KAFKA_RESP_ERR_REQUEST_TIMED_OUT as i16;
     let silence_from = now_ms();
-    mock.cluster
-        .request_errors(RDKafkaApiKey::OffsetCommit, &errors);
-    mock.cluster
-        .request_errors(RDKafkaApiKey::OffsetFetch, &errors);
-    mock.cluster
-        .broker_round_trip_time(OUTPUT_BROKER, SLOW)
-        .expect("slow answers");
+    relay.refuse(OFFSET_COMMIT, timed_out, usize::MAX);
+    relay.refuse(OFFSET_FETCH, timed_out, usize::MAX);
+    relay.delay_answers(SLOW);
     tokio::time::sleep(SILENCE).await;
-    mock.cluster
-        .clear_request_errors(RDKafkaApiKey::OffsetCommit);
-    mock.cluster
-        .clear_request_errors(RDKafkaApiKey::OffsetFetch);
-    mock.cluster
-        .broker_round_trip_time(OUTPUT_BROKER, Duration::ZERO)
-        .expect("answers on time");
+    let refused = (relay.refused(OFFSET_COMMIT), relay.refused(OFFSET_FETCH));
+    relay.accept(OFFSET_COMMIT);
+    relay.accept(OFFSET_FETCH);
+    relay.delay_answers(Duration::ZERO);
     let healed = now_ms();
+    eprintln!("refused during the silence: {refused:?} (OffsetCommit, OffsetFetch)");
+    assert!(refused.0 > 0, "no commit was answered \"timed out\"");
 
     load.await.unwrap().expect("loadgen");
-    wait_committed_to_end_on(&brokers, &mock.topics, Duration::from_secs(180))
+    wait_committed_to_end_on(&brokers, &topics, Duration::from_secs(180))
         .await
         .unwrap_or_else(|(committed, end)| panic!("committed {committed:?} never reached {end:?}"));
     assert!(worker.terminate().success());
 
-    let created = output_create_times(&brokers, &mock.topics.output);
+    let created = output_create_times(&brokers, &topics.output);
     let fenced_from = silence_from + FENCED_AFTER.as_millis() as i64;
     let before = created.iter().filter(|&&t| t < silence_from).count();
     let fenced = created
@@ -100,7 +97,7 @@ async fn a_member_the_coordinator_stops_answering_stops_writing_until_it_answers
         fenced, 0,
         "outputs written while the coordinator had been silent for most of a session timeout"
     );
-    let report = mock.verify();
+    let report = verify_on(&brokers, &topics);
     eprintln!("coordinator silent for {SILENCE:?}:\n{report}");
     assert!(report.is_ok(), "{report}");
     assert_eq!(report.records - report.duplicates, RECORDS, "{report}");

@@ -23,7 +23,7 @@
 use std::time::Duration;
 
 use rdkafka::types::RDKafkaRespErr;
-use sessionflow_tests::relay::{broker_behind_relay, Relay};
+use sessionflow_tests::relay::{broker_behind_relay, Relay, HEARTBEAT, PRODUCE};
 use sessionflow_tests::{
     http_get, verify_on, wait_committed_to_end_on, wait_until, ScriptCluster, Topics, WorkerProcess,
 };
@@ -105,7 +105,7 @@ impl RelayedNode {
     }
 
     fn accept_produces(&self) {
-        self.relay.accept_produce();
+        self.relay.accept(PRODUCE);
     }
 }
 
@@ -247,7 +247,8 @@ async fn a_lost_assignment_with_results_on_their_way_purges_the_producer_and_los
     let run = Refused::start("purge-lost", LOST_PORT, LOST_METRICS).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     // The coordinator forgets the member: its partitions are lost, with results on their way.
-    run.node.relay.refuse_heartbeats(
+    run.node.relay.refuse(
+        HEARTBEAT,
         RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN_MEMBER_ID as i16,
         1,
     );
