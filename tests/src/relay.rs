@@ -123,6 +123,31 @@ pub async fn broker_behind_relay(port: u16) -> (Relay, crate::ScriptCluster) {
     (relay, cluster)
 }
 
+/// A node of the test's own behind a relay ([`broker_behind_relay`]) with a stage's topics
+/// (`ScriptCluster::create_stage_topics`: input and output of `partitions` partitions, a DLQ of
+/// one). It must outlive the test's workers.
+pub struct RelayedNode {
+    pub relay: Relay,
+    pub node: crate::ScriptCluster,
+    /// The node's bootstrap address, which clients reach through the relay.
+    pub brokers: String,
+    pub topics: crate::Topics,
+}
+
+impl RelayedNode {
+    /// From a multi-thread runtime, as [`broker_behind_relay`].
+    pub async fn start(port: u16, name: &str, partitions: i32) -> Self {
+        let (relay, node) = broker_behind_relay(port).await;
+        let topics = node.create_stage_topics(name, partitions).await;
+        Self {
+            relay,
+            brokers: node.bootstrap.clone(),
+            node,
+            topics,
+        }
+    }
+}
+
 impl Relay {
     /// Listens on `listen` and forwards to `node` (both `host:port`).
     pub async fn start(listen: &str, node: &str) -> Self {

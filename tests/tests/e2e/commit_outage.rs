@@ -12,7 +12,7 @@
 use std::time::Duration;
 
 use rdkafka::types::RDKafkaRespErr;
-use sessionflow_tests::relay::{broker_behind_relay, Relay, OFFSET_COMMIT};
+use sessionflow_tests::relay::{Relay, RelayedNode, OFFSET_COMMIT};
 use sessionflow_tests::{
     end_offsets_on, verify_on, wait_committed_to_end_on, wait_until, ScriptCluster, Topics,
     WorkerProcess,
@@ -31,19 +31,6 @@ const FINAL_FAILS_PORT: u16 = 19588;
 const FINAL_REBALANCING_PORT: u16 = 19592;
 const FINAL_FENCED_PORT: u16 = 19596;
 
-/// A node of the test's own on `port` behind a relay, with input and output of `partitions`
-/// partitions and a DLQ. Both must outlive the test's workers.
-async fn relayed_cluster(
-    port: u16,
-    name: &str,
-    partitions: i32,
-) -> (Relay, ScriptCluster, String, Topics) {
-    let (relay, cluster) = broker_behind_relay(port).await;
-    let topics = cluster.create_stage_topics(name, partitions).await;
-    let brokers = cluster.bootstrap.clone();
-    (relay, cluster, brokers, topics)
-}
-
 /// Kafka's error code for a librdkafka error that a broker sends.
 fn code(error: RDKafkaRespErr) -> i16 {
     error as i16
@@ -51,7 +38,12 @@ fn code(error: RDKafkaRespErr) -> i16 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_after_a_commit_outage_replays_at_most_the_in_flight_cap() {
-    let (relay, _node, brokers, topics) = relayed_cluster(OUTAGE_PORT, "outage", PARTITIONS).await;
+    let RelayedNode {
+        relay,
+        node: _node,
+        brokers,
+        topics,
+    } = RelayedNode::start(OUTAGE_PORT, "outage", PARTITIONS).await;
     let opts = LoadgenOptions {
         choice: SessionChoice::RoundRobin,
         ..LoadgenOptions::new(&brokers, &topics.input, RECORDS, 200)
@@ -133,7 +125,12 @@ async fn a_crash_after_a_commit_outage_replays_at_most_the_in_flight_cap() {
 /// without any output: `verify` would find it lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partition_that_comes_back_during_slow_acks_then_a_kill_loses_nothing() {
-    let (relay, _node, brokers, topics) = relayed_cluster(SLOW_ACK_PORT, "slowack", 2).await;
+    let RelayedNode {
+        relay,
+        node: _node,
+        brokers,
+        topics,
+    } = RelayedNode::start(SLOW_ACK_PORT, "slowack", 2).await;
     let records = 1_200;
     let opts = LoadgenOptions {
         choice: SessionChoice::RoundRobin,
@@ -304,7 +301,12 @@ async fn stop_test(
     name: &str,
     seed: u64,
 ) -> (Relay, ScriptCluster, String, Topics, String) {
-    let (relay, node, brokers, topics) = relayed_cluster(port, name, 2).await;
+    let RelayedNode {
+        relay,
+        node,
+        brokers,
+        topics,
+    } = RelayedNode::start(port, name, 2).await;
     let opts = LoadgenOptions {
         choice: SessionChoice::RoundRobin,
         ..LoadgenOptions::new(&brokers, &topics.input, STOP_RECORDS, 50)

@@ -38,7 +38,7 @@ use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::mocking::MockCoordinator;
 use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
-use sessionflow_tests::relay::{broker_behind_relay, Relay, OFFSET_COMMIT, PRODUCE};
+use sessionflow_tests::relay::{Relay, RelayedNode, OFFSET_COMMIT, PRODUCE};
 use sessionflow_tests::{
     assert_replays_within, builtin, verify_on, wait_committed_to_end_on, wait_until, Gate,
     MockKafka, RecordingHandler, ScriptCluster, Topics,
@@ -159,15 +159,16 @@ impl std::ops::Deref for RelayedPipeline {
 
 impl RelayedPipeline {
     async fn new(name: &str, port: u16) -> Self {
-        let (relay, node) = broker_behind_relay(port).await;
-        let topics = node.create_stage_topics(name, PARTITIONS).await;
+        let RelayedNode {
+            relay,
+            node,
+            brokers,
+            topics,
+        } = RelayedNode::start(port, name, PARTITIONS).await;
         Self {
             relay,
-            pipeline: Pipeline {
-                brokers: node.bootstrap.clone(),
-                topics,
-            },
             _node: node,
+            pipeline: Pipeline { brokers, topics },
         }
     }
 }

@@ -23,10 +23,8 @@
 use std::time::Duration;
 
 use rdkafka::types::RDKafkaRespErr;
-use sessionflow_tests::relay::{broker_behind_relay, Relay, HEARTBEAT, PRODUCE};
-use sessionflow_tests::{
-    http_get, verify_on, wait_committed_to_end_on, wait_until, ScriptCluster, Topics, WorkerProcess,
-};
+use sessionflow_tests::relay::{RelayedNode, HEARTBEAT, PRODUCE};
+use sessionflow_tests::{http_get, verify_on, wait_committed_to_end_on, wait_until, WorkerProcess};
 use sessionflow_tools::loadgen::{self, LoadgenOptions, SessionChoice};
 
 const PARTITIONS: i32 = 4;
@@ -39,25 +37,19 @@ const LOST_METRICS: u16 = 19481;
 const REVOKE_PORT: u16 = 19640;
 const LOST_PORT: u16 = 19644;
 
-/// A node of the test's own behind a relay, with a stage's topics. It must outlive the test's
-/// workers.
-struct RelayedNode {
-    relay: Relay,
-    _node: ScriptCluster,
-    brokers: String,
-    topics: Topics,
+/// The tests' node behind the relay ([`RelayedNode`]), and what the tests do with it.
+struct Node(RelayedNode);
+
+impl std::ops::Deref for Node {
+    type Target = RelayedNode;
+    fn deref(&self) -> &RelayedNode {
+        &self.0
+    }
 }
 
-impl RelayedNode {
+impl Node {
     async fn start(name: &str, port: u16) -> Self {
-        let (relay, node) = broker_behind_relay(port).await;
-        let topics = node.create_stage_topics(name, PARTITIONS).await;
-        Self {
-            relay,
-            brokers: node.bootstrap.clone(),
-            _node: node,
-            topics,
-        }
+        Self(RelayedNode::start(port, name, PARTITIONS).await)
     }
 
     fn load(&self) -> tokio::task::JoinHandle<anyhow::Result<loadgen::LoadgenReport>> {
@@ -111,7 +103,7 @@ impl RelayedNode {
 
 /// Once the worker logging to `log` (metrics on `port`) has said `event` (within 90 s), what
 /// it has taken back from its producer; produces are accepted again either way.
-async fn taken_back_once(node: &RelayedNode, log: &std::path::Path, port: u16, event: &str) -> u64 {
+async fn taken_back_once(node: &Node, log: &std::path::Path, port: u16, event: &str) -> u64 {
     let happened = wait_until(Duration::from_secs(90), || read(log).contains(event)).await;
     let taken = taken_back_soon(port).await;
     node.accept_produces();
@@ -160,7 +152,7 @@ fn read(log: &std::path::Path) -> String {
 }
 
 /// After the faults: everything committed, nothing lost, in order.
-async fn settle_and_verify(node: &RelayedNode, what: &str) {
+async fn settle_and_verify(node: &Node, what: &str) {
     wait_committed_to_end_on(&node.brokers, &node.topics, Duration::from_secs(180))
         .await
         .unwrap_or_else(|(committed, end)| panic!("committed {committed:?} never reached {end:?}"));
@@ -180,7 +172,7 @@ async fn settle_and_verify(node: &RelayedNode, what: &str) {
 /// its first 500 outputs, with every Produce to the output refused from then on: its results
 /// stay in its producer.
 struct Refused {
-    node: RelayedNode,
+    node: Node,
     load: tokio::task::JoinHandle<anyhow::Result<loadgen::LoadgenReport>>,
     worker: WorkerProcess,
     log: std::path::PathBuf,
@@ -189,7 +181,7 @@ struct Refused {
 
 impl Refused {
     async fn start(name: &str, node_port: u16, port: u16) -> Self {
-        let node = RelayedNode::start(name, node_port).await;
+        let node = Node::start(name, node_port).await;
         let load = node.load();
         let (worker, log) = logged_worker(&node.stage(Some(port)), name);
         wait_until(Duration::from_secs(90), || node.output_count() >= 500)
