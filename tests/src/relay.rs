@@ -44,12 +44,15 @@ pub const PRODUCE: i16 = 0;
 pub const OFFSET_COMMIT: i16 = 8;
 pub const OFFSET_FETCH: i16 = 9;
 pub const HEARTBEAT: i16 = 12;
+pub const SYNC_GROUP: i16 = 14;
 pub const END_TXN: i16 = 26;
 
 /// The relay: forwards every connection made to its address to the node's; stopped when dropped.
 pub struct Relay {
     /// The API keys of the requests held now.
     holding: watch::Sender<HashSet<i16>>,
+    /// Held from the first request of an API key on ([`Relay::hold_from`]).
+    armed: Arc<Mutex<Option<Armed>>>,
     produce_seen: Arc<AtomicUsize>,
     /// How many requests of each API key clients have sent (held or not).
     seen_by_key: Arc<Mutex<HashMap<i16, usize>>>,
@@ -60,6 +63,12 @@ pub struct Relay {
     delay: watch::Sender<Duration>,
     refusals: Arc<Mutex<Refusals>>,
     tasks: Arc<Mutex<Vec<AbortHandle>>>,
+}
+
+/// Requests to hold from the moment a client sends one of another kind.
+struct Armed {
+    trigger: i16,
+    api_keys: Vec<i16>,
 }
 
 /// The requests to answer with an error code instead of forwarding.
@@ -159,6 +168,7 @@ impl Relay {
         let (delay, _) = watch::channel(Duration::ZERO);
         let relay = Self {
             holding,
+            armed: Arc::default(),
             produce_seen: Arc::default(),
             seen_by_key: Arc::default(),
             forwarded,
@@ -166,9 +176,10 @@ impl Relay {
             refusals: Arc::default(),
             tasks: Arc::default(),
         };
-        let (node, holding, seen, by_key, forwarded, delay, refusals, tasks) = (
+        let (node, holding, armed, seen, by_key, forwarded, delay, refusals, tasks) = (
             node.to_string(),
             relay.holding.clone(),
+            relay.armed.clone(),
             relay.produce_seen.clone(),
             relay.seen_by_key.clone(),
             relay.forwarded.clone(),
@@ -185,6 +196,8 @@ impl Relay {
                 let _ = upstream.set_nodelay(true);
                 let order = Order {
                     holding: holding.subscribe(),
+                    hold: holding.clone(),
+                    armed: armed.clone(),
                     seen: seen.clone(),
                     by_key: by_key.clone(),
                     forwarded: forwarded.clone(),
@@ -204,6 +217,17 @@ impl Relay {
     /// (and so is whatever its connection sends after it), until [`Relay::release`].
     pub fn hold(&self, api_keys: &[i16]) {
         self.holding.send_modify(|held| held.extend(api_keys));
+    }
+
+    /// Holds requests with these API keys (as [`Relay::hold`]) from the moment a client sends a
+    /// request with `trigger`, which itself goes through: a hold that starts at a step of the
+    /// clients' protocol, however long they take to reach it (a group member's `SYNC_GROUP`:
+    /// its assignment's offset reads are held, the join before it is not).
+    pub fn hold_from(&self, trigger: i16, api_keys: &[i16]) {
+        *self.armed.lock().unwrap() = Some(Armed {
+            trigger,
+            api_keys: api_keys.to_vec(),
+        });
     }
 
     /// Forwards what is held of these API keys, and holds them no more. The produce requests go
@@ -295,6 +319,9 @@ impl Drop for Relay {
 /// What orders the produce requests of every connection.
 struct Order {
     holding: watch::Receiver<HashSet<i16>>,
+    /// To start holding when an armed trigger is read.
+    hold: watch::Sender<HashSet<i16>>,
+    armed: Arc<Mutex<Option<Armed>>>,
     /// Produce requests read so far: each one's number.
     seen: Arc<AtomicUsize>,
     /// Requests read so far, by API key.
@@ -316,6 +343,8 @@ struct Order {
 fn connect(client: TcpStream, upstream: TcpStream, order: Order) -> [AbortHandle; 4] {
     let Order {
         mut holding,
+        hold,
+        armed,
         seen,
         by_key,
         forwarded,
@@ -363,6 +392,15 @@ fn connect(client: TcpStream, upstream: TcpStream, order: Order) -> [AbortHandle
             if let Some(n) = number {
                 if turn.wait_for(|done| *done == n).await.is_err() {
                     return;
+                }
+            }
+            // Armed here, not when read: what the connection sent before the trigger is not
+            // held by it.
+            if let Some(k) = key {
+                let mut armed = armed.lock().unwrap();
+                if armed.as_ref().is_some_and(|a| a.trigger == k) {
+                    let keys = armed.take().map(|a| a.api_keys).unwrap_or_default();
+                    hold.send_modify(|held| held.extend(keys));
                 }
             }
             let refusal = refusals.lock().unwrap().answer(&frame);

@@ -22,7 +22,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
-use sessionflow_tests::relay::{broker_behind_relay, OFFSET_COMMIT, OFFSET_FETCH};
+use sessionflow_tests::relay::{broker_behind_relay, OFFSET_COMMIT, OFFSET_FETCH, SYNC_GROUP};
 use sessionflow_tests::{
     end_offsets_on, unique, verify_on, wait_committed_to_end_on, wait_until, WorkerProcess,
 };
@@ -40,6 +40,8 @@ const FENCED_AFTER: Duration = Duration::from_secs(5);
 /// Ports of the tests' nodes, four each, the relay on the fourth (all the relayed nodes' ports
 /// are listed at `sessionflow_tests::relay::broker_behind_relay`).
 const BLOCKED_PORT: u16 = 19570;
+/// How late the node's answers come while the worker joins (see the gate test).
+const SLOW_JOIN: Duration = Duration::from_millis(700);
 const SILENT_PORT: u16 = 19648;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -149,9 +151,13 @@ fn output_create_times(brokers: &str, topic: &str) -> Vec<i64> {
 /// again (seen fail that way with the fence's own thread not judging).
 ///
 /// On Apache Kafka, a node of the test's own behind the tests' relay (`relay.rs`), which
-/// holds the offset requests from the worker's start: the coordinator's connection hangs,
-/// heartbeats behind them too, so Kafka times the member's session out meanwhile (its
-/// partitions are then lost, and it joins again once the relay lets the requests through).
+/// holds the offset requests from the worker's first SyncGroup on: the coordinator's
+/// connection hangs, heartbeats behind them too, so Kafka times the member's session out
+/// meanwhile (its partitions are then lost, and it joins again once the relay lets the
+/// requests through). Every answer of the node comes 700 ms late until then, so that the
+/// worker's join always takes longer than a third of the session timeout, when its commit
+/// thread asks the coordinator something: the join of a loaded machine, on which a hold from
+/// the worker's start held that question, and the SyncGroup behind it (CI, stop 53).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gate_closes_while_the_consumer_loop_is_blocked() {
     let (relay, cluster) = broker_behind_relay(BLOCKED_PORT).await;
@@ -165,10 +171,14 @@ async fn the_gate_closes_while_the_consumer_loop_is_blocked() {
         ..LoadgenOptions::new(&brokers, &topics.input, BLOCKED_RECORDS, 50)
     };
     loadgen::run(&opts).await.expect("loadgen");
-    // Silent from the start: the worker's first assignment reads its committed offsets into
-    // the silence, which holds the coordinator's connection (its heartbeats too) until the
-    // relay lets the requests through.
-    relay.hold(&[OFFSET_FETCH, OFFSET_COMMIT]);
+    // Silent from the worker's first SyncGroup on: its first assignment reads its committed
+    // offsets into the silence, which holds the coordinator's connection (its heartbeats too)
+    // until the relay lets the requests through. Not from its start: the worker's commit thread
+    // asks the coordinator for an offset once it has heard nothing for a third of the session
+    // timeout, and a join slower than that (a loaded machine) would have had that read held,
+    // with the SyncGroup behind it on the same connection: no assignment at all (seen in CI).
+    relay.hold_from(SYNC_GROUP, &[OFFSET_FETCH, OFFSET_COMMIT]);
+    relay.delay_answers(SLOW_JOIN);
     let log = std::env::temp_dir().join(unique("fence-blocked") + ".log");
     let worker = WorkerProcess::spawn_logging_at(
         &topics.stage_yaml_on(&brokers, "{seed: 5}", ""),
@@ -183,6 +193,7 @@ async fn the_gate_closes_while_the_consumer_loop_is_blocked() {
     })
     .await;
     let fetches_held = relay.requests_seen(OFFSET_FETCH);
+    relay.delay_answers(Duration::ZERO);
     relay.release(&[OFFSET_FETCH, OFFSET_COMMIT]);
     let said = read_log();
     let intake: Vec<&str> = said.lines().filter(|l| l.contains("intake")).collect();
@@ -191,11 +202,18 @@ async fn the_gate_closes_while_the_consumer_loop_is_blocked() {
         intake.join("\n")
     );
     both.expect("the worker never both closed its gate and finished its assignment");
-    assert!(fetches_held > 0, "the assignment read no committed offset");
-    let closed = said.find("writes stop").expect("closed");
-    let assigned = said.find("partition assigned").expect("assigned");
+    // What the worker said before its assignment: its read of the committed offsets held
+    // until it timed out, and the gate closed (last, if a slow join had closed and opened it
+    // before) while the read was held.
+    let before = &said[..said.find("partition assigned").expect("assigned")];
     assert!(
-        closed < assigned,
+        before.contains("reading committed offsets failed"),
+        "the assignment's read of the committed offsets was not held ({fetches_held} seen)"
+    );
+    let closed = before.rfind("writes stop");
+    let reopened = before.rfind("writes resume");
+    assert!(
+        closed.is_some_and(|c| reopened.is_none_or(|r| c > r)),
         "the gate closed only after the consumer loop's blocking read had returned"
     );
 
