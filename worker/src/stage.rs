@@ -72,7 +72,7 @@ impl RunningWorker {
     /// `rd_kafka_test_fatal_error`).
     pub fn producer_client(
         &self,
-    ) -> &rdkafka::producer::FutureProducer<crate::output::producer::ProducerEvents> {
+    ) -> rdkafka::producer::FutureProducer<crate::output::producer::ProducerEvents> {
         self.producer.client()
     }
 }

@@ -44,6 +44,7 @@ pub struct Metrics {
     pub blocked_writes: IntGauge,
     pub late_writes: IntCounter,
     pub writes_taken_back: IntCounter,
+    pub producers_replaced: IntCounter,
     pub commit_failing_partitions: IntGauge,
     pub offset_maps_ignored: IntCounter,
     pub lost_partitions: IntCounter,
@@ -140,6 +141,12 @@ impl Metrics {
              the membership fence, a lost partition, a revocation or a shutdown whose fence ran \
              out): written again if the partition is still this worker's, else released to its \
              next owner.",
+        );
+        let producers_replaced = counter(
+            "producers_replaced_total",
+            "Times the atLeastOnce producer was replaced by a new one after the broker refused a \
+             write: the old one's queued writes are taken back and written again through the \
+             new one (librdkafka may reuse a producer's sequence numbers after a refusal).",
         );
         let commit_failing_partitions = gauge(
             "commit_failing_partitions",
@@ -325,6 +332,7 @@ impl Metrics {
             blocked_writes,
             late_writes,
             writes_taken_back,
+            producers_replaced,
             commit_failing_partitions,
             offset_maps_ignored,
             lost_partitions,

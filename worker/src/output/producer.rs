@@ -9,6 +9,11 @@
 //! other refusal, local or from the broker after librdkafka's retries, is returned to the
 //! caller, which knows what the record needs next (the DLQ, or another try).
 //!
+//! In `atLeastOnce` every write goes through the producer of a [`ProducerSlot`], which a write
+//! the broker refused has replaced: librdkafka may reuse an idempotent producer's sequence
+//! numbers after such a refusal, and Kafka then drops new records as retries of old ones
+//! (`producer_slot`).
+//!
 //! The client's fatal errors (an idempotent producer that can no longer guarantee order) are
 //! caught by [`ProducerEvents`]: the worker goes not-ready and stops, and a restart replays
 //! what was in flight. (In `exactlyOnce` a partition's transactional producer reports its own
@@ -32,6 +37,7 @@ use crate::ops::health::Health;
 use crate::ops::metrics::Metrics;
 use crate::ops::telemetry;
 use crate::output::dlq::dlq_headers;
+use crate::output::producer_slot::ProducerSlot;
 use crate::output::transactions::{Share, Transactions};
 use crate::record::DlqReason;
 use crate::record::{header, InputRecord, WritePermit};
@@ -46,7 +52,8 @@ pub struct StageProducer {
 }
 
 struct Inner {
-    producer: FutureProducer<ProducerEvents>,
+    /// Every `atLeastOnce` write's producer, replaced after a refused write (`producer_slot`).
+    producers: ProducerSlot<ProducerEvents>,
     output: Option<String>,
     dlq: String,
     stage: String,
@@ -180,11 +187,10 @@ impl StageProducer {
         metrics: Metrics,
         transactions: Option<Arc<Transactions<ProducerEvents>>>,
     ) -> anyhow::Result<Self> {
-        let producer: FutureProducer<ProducerEvents> =
-            config.create_with_context(events.clone())?;
+        let producers = ProducerSlot::new(config, events.clone())?;
         Ok(Self {
             inner: Arc::new(Inner {
-                producer,
+                producers,
                 output,
                 dlq,
                 stage,
@@ -201,7 +207,8 @@ impl StageProducer {
     /// can no longer keep order), stop the worker.
     fn check_fatal<T>(&self, result: Result<T, WriteError>) -> Result<T, WriteError> {
         if result.is_err() {
-            if let Some((code, reason)) = self.inner.producer.client().fatal_error() {
+            let fatal = self.inner.producers.with(|p, _| p.client().fatal_error());
+            if let Some((code, reason)) = fatal {
                 self.inner
                     .events
                     .raise_fatal(&format!("{code:?}: {reason}"));
@@ -214,7 +221,10 @@ impl StageProducer {
     /// nothing written now can land.
     pub fn has_failed(&self) -> bool {
         self.inner.events.fatal.is_cancelled()
-            || self.inner.producer.client().fatal_error().is_some()
+            || self
+                .inner
+                .producers
+                .with(|p, _| p.client().fatal_error().is_some())
     }
 
     /// Whether writes of input `partition` can no longer land: the client has failed, or (in
@@ -271,12 +281,12 @@ impl StageProducer {
         }
         let headers = record.headers_with(&[header::EVENT_ID, header::TRACEPARENT], &extra);
         let key = record.session().unwrap_or_default();
-        let ack = self
+        let sent = self
             .enqueue(record.partition, topic, Some(key), Some(payload), headers)
             .await
             .map_err(WriteError::Refused);
-        let ack = self.check_fatal(ack)?;
-        self.check_fatal(acknowledged(ack).await)?;
+        let (ack, generation) = self.check_fatal(sent)?;
+        self.check_fatal(self.answered(ack, generation).await)?;
         self.inner.metrics.records_out.inc();
         Ok(())
     }
@@ -291,7 +301,7 @@ impl StageProducer {
         _permit: &WritePermit,
     ) -> Result<(), WriteError> {
         let headers = dlq_headers(record, &self.inner.stage, reason, error, attempts);
-        let ack = self
+        let sent = self
             .enqueue(
                 record.partition,
                 &self.inner.dlq,
@@ -301,8 +311,8 @@ impl StageProducer {
             )
             .await
             .map_err(WriteError::Refused);
-        let ack = self.check_fatal(ack)?;
-        self.check_fatal(acknowledged(ack).await)?;
+        let (ack, generation) = self.check_fatal(sent)?;
+        self.check_fatal(self.answered(ack, generation).await)?;
         self.inner
             .metrics
             .dlq
@@ -311,8 +321,29 @@ impl StageProducer {
         Ok(())
     }
 
+    /// The broker's answer to a write; a refusal from the broker (not a purge) has the
+    /// producer that sent it replaced, `generation` being the one [`ProducerSlot::with`] gave
+    /// (`None` in `exactlyOnce`, whose refused writes abort their transaction instead).
+    async fn answered(
+        &self,
+        ack: DeliveryFuture,
+        generation: Option<u64>,
+    ) -> Result<(), WriteError> {
+        let answer = acknowledged(ack).await;
+        if let (Err(e @ WriteError::NotAcknowledged(_)), Some(g)) = (&answer, generation) {
+            if !e.is_purged() && self.inner.producers.replace(g) {
+                self.inner.metrics.producers_replaced.inc();
+                tracing::warn!(error = %e,
+                    "a write was refused: its producer takes no more writes (a new one does), \
+                     since librdkafka may reuse its sequence numbers");
+            }
+        }
+        answer
+    }
+
     /// Enqueues one record, waiting while librdkafka's local queue is full. Other local
-    /// refusals are returned: they do not go away by waiting.
+    /// refusals are returned: they do not go away by waiting. With the record's delivery, the
+    /// generation of the `atLeastOnce` producer it went to.
     /// In `exactlyOnce`, through the transactional producer of the record's input `partition`
     /// (none open: the partition has left, the write is taken back).
     async fn enqueue(
@@ -322,7 +353,7 @@ impl StageProducer {
         key: Option<&[u8]>,
         payload: Option<&[u8]>,
         headers: OwnedHeaders,
-    ) -> Result<DeliveryFuture, KafkaError> {
+    ) -> Result<(DeliveryFuture, Option<u64>), KafkaError> {
         let mut record: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(topic).headers(headers);
         if let Some(k) = key {
             record = record.key(k);
@@ -330,14 +361,17 @@ impl StageProducer {
         if let Some(p) = payload {
             record = record.payload(p);
         }
-        let ack = match &self.inner.transactions {
+        let sent = match &self.inner.transactions {
             Some(t) => match t.producer(partition) {
-                Some(p) => send(&p, record).await?,
+                Some(p) => (send(&p, record).await?, None),
                 None => {
                     return Err(KafkaError::MessageProduction(RDKafkaErrorCode::PurgeQueue));
                 }
             },
-            None => send(&self.inner.producer, record).await?,
+            None => {
+                let (ack, generation) = self.send(record).await?;
+                (ack, Some(generation))
+            }
         };
         // A write that passed the membership fence as it closed may have been queued after
         // the fence's purge: take it back too (nothing else may be queued while the gate is
@@ -345,7 +379,29 @@ impl StageProducer {
         if !self.inner.gate.is_open() {
             self.purge();
         }
-        Ok(ack)
+        Ok(sent)
+    }
+
+    /// [`send`] through the current `atLeastOnce` producer: the delivery, and the producer's
+    /// generation.
+    async fn send(
+        &self,
+        mut record: FutureRecord<'_, [u8], [u8]>,
+    ) -> Result<(DeliveryFuture, u64), KafkaError> {
+        loop {
+            let (sent, generation) = self
+                .inner
+                .producers
+                .with(|p, generation| (p.send_result(record), generation));
+            match sent {
+                Ok(ack) => return Ok((ack, generation)),
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
+                    record = r;
+                    tokio::time::sleep(QUEUE_FULL_BACKOFF).await;
+                }
+                Err((e, _)) => return Err(e),
+            }
+        }
     }
 
     /// The record is done: its result is acknowledged (or it needed none).
@@ -371,8 +427,8 @@ impl StageProducer {
     /// transaction and rewinds it (or, for a partition leaving, aborts instead of committing).
     pub fn purge(&self) {
         self.inner
-            .producer
-            .purge(PurgeConfig::default().queue().inflight());
+            .producers
+            .purge_all(PurgeConfig::default().queue().inflight());
         if let Some(t) = &self.inner.transactions {
             t.purge();
         }
@@ -380,13 +436,14 @@ impl StageProducer {
 
     /// Flushes what is still queued in the client.
     pub async fn close(&self, timeout: Duration) {
-        let producer = self.inner.producer.clone();
-        let _ = tokio::task::spawn_blocking(move || producer.flush(timeout)).await;
+        let inner = self.inner.clone();
+        let _ = tokio::task::spawn_blocking(move || inner.producers.flush(timeout)).await;
     }
 
-    /// The librdkafka client, for fault-injection tests.
-    pub fn client(&self) -> &FutureProducer<ProducerEvents> {
-        &self.inner.producer
+    /// The `atLeastOnce` librdkafka client writes go through now (the partition count's
+    /// metadata; fault-injection tests).
+    pub fn client(&self) -> FutureProducer<ProducerEvents> {
+        self.inner.producers.producer()
     }
 }
 
