@@ -15,7 +15,8 @@
 //! it sends nothing more — those writes are taken back and written again through the new one
 //! (`settle`: a purged write whose partition is still this worker's goes again) —, while what
 //! it has on the wire is let finish: a session has one write out at a time, so nothing of that
-//! session can overtake it. An old producer is dropped once nothing of it is in flight.
+//! session can overtake it. An old producer is kept until the next replacement finds nothing
+//! of it in flight, or the close has flushed it.
 //!
 //! A refusal is known only when its answer comes, so the writes that answer covers all carry
 //! the same generation: the first to report it replaces the producer, the rest find it
@@ -89,11 +90,13 @@ impl<C: ClientContext + Clone + 'static> ProducerSlot<C> {
         };
         let old = std::mem::replace(&mut current.producer, producer);
         current.generation += 1;
-        drop(current);
-        old.purge(PurgeConfig::default().queue());
+        // Retired before the slot is let go: a `purge_all` meanwhile reaches it too.
         let mut retired = self.retired.lock().unwrap_or_else(PoisonError::into_inner);
         retired.retain(|p| p.in_flight_count() > 0);
-        retired.push(old);
+        retired.push(old.clone());
+        drop(retired);
+        drop(current);
+        old.purge(PurgeConfig::default().queue());
         true
     }
 
@@ -127,5 +130,63 @@ impl<C: ClientContext + Clone + 'static> ProducerSlot<C> {
             }
         }
         result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rdkafka::client::DefaultClientContext;
+    use rdkafka::error::RDKafkaErrorCode;
+    use rdkafka::producer::FutureRecord;
+
+    use super::*;
+
+    /// A slot whose producers reach no broker: what they are given stays queued.
+    fn slot() -> ProducerSlot<DefaultClientContext> {
+        let mut config = ClientConfig::new();
+        config
+            .set("bootstrap.servers", "127.0.0.1:1")
+            .set("enable.idempotence", "true");
+        ProducerSlot::new(&config, DefaultClientContext).expect("producer")
+    }
+
+    #[test]
+    fn only_the_current_generation_is_replaced_and_only_once() {
+        let slot = slot();
+        assert_eq!(slot.with(|_, g| g), 0);
+        assert!(slot.replace(0));
+        assert!(!slot.replace(0), "the same refusal reported again");
+        assert_eq!(slot.with(|_, g| g), 1);
+        assert!(slot.replace(1));
+        assert_eq!(slot.with(|_, g| g), 2);
+    }
+
+    #[tokio::test]
+    async fn what_the_old_producer_has_queued_is_taken_back_and_the_new_one_takes_writes() {
+        let slot = slot();
+        let queued = slot.with(|p, _| {
+            p.send_result(FutureRecord::<[u8], [u8]>::to("t").payload(b"x"))
+                .map_err(|(e, _)| e)
+                .expect("queued")
+        });
+        assert!(slot.replace(0));
+        // A bound against a hang (unpurged, it would wait for `message.timeout.ms`).
+        let answer = tokio::time::timeout(Duration::from_secs(30), queued)
+            .await
+            .expect("the replaced producer's queued write is answered")
+            .expect("answered");
+        assert_eq!(
+            answer.map_err(|(e, _)| e.rdkafka_error_code()).err(),
+            Some(Some(RDKafkaErrorCode::PurgeQueue)),
+            "a write queued in the replaced producer is purged, never sent"
+        );
+        let fresh = slot.with(|p, _| {
+            p.send_result(FutureRecord::<[u8], [u8]>::to("t").payload(b"y"))
+                .map_err(|(e, _)| e)
+                .expect("queued")
+        });
+        assert_eq!(slot.producer().in_flight_count(), 1, "the new one holds it");
+        slot.purge_all(PurgeConfig::default().queue().inflight());
+        assert!(fresh.await.expect("answered").is_err());
     }
 }
