@@ -363,14 +363,17 @@ impl StageProducer {
         }
         let sent = match &self.inner.transactions {
             Some(t) => match t.producer(partition) {
-                Some(p) => (send(&p, record).await?, None),
+                Some(p) => send(record, |r| (p.send_result(r), None)).await?,
                 None => {
                     return Err(KafkaError::MessageProduction(RDKafkaErrorCode::PurgeQueue));
                 }
             },
             None => {
-                let (ack, generation) = self.send(record).await?;
-                (ack, Some(generation))
+                let producers = &self.inner.producers;
+                send(record, |r| {
+                    producers.with(|p, g| (p.send_result(r), Some(g)))
+                })
+                .await?
             }
         };
         // A write that passed the membership fence as it closed may have been queued after
@@ -380,28 +383,6 @@ impl StageProducer {
             self.purge();
         }
         Ok(sent)
-    }
-
-    /// [`send`] through the current `atLeastOnce` producer: the delivery, and the producer's
-    /// generation.
-    async fn send(
-        &self,
-        mut record: FutureRecord<'_, [u8], [u8]>,
-    ) -> Result<(DeliveryFuture, u64), KafkaError> {
-        loop {
-            let (sent, generation) = self
-                .inner
-                .producers
-                .with(|p, generation| (p.send_result(record), generation));
-            match sent {
-                Ok(ack) => return Ok((ack, generation)),
-                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
-                    record = r;
-                    tokio::time::sleep(QUEUE_FULL_BACKOFF).await;
-                }
-                Err((e, _)) => return Err(e),
-            }
-        }
     }
 
     /// The record is done: its result is acknowledged (or it needed none).
@@ -447,19 +428,27 @@ impl StageProducer {
     }
 }
 
-/// Enqueues `record` with `producer`, waiting while librdkafka's local queue is full.
-async fn send<C: ClientContext + 'static>(
-    producer: &FutureProducer<C>,
-    mut record: FutureRecord<'_, [u8], [u8]>,
-) -> Result<DeliveryFuture, KafkaError> {
+/// One try to enqueue a record: librdkafka's answer (the record back if refused), and what
+/// the caller keeps beside the delivery.
+type Attempt<'a, T> = (
+    Result<DeliveryFuture, (KafkaError, FutureRecord<'a, [u8], [u8]>)>,
+    T,
+);
+
+/// Enqueues `record` with `attempt` (a producer's `send_result`), waiting while librdkafka's
+/// local queue is full.
+async fn send<'a, T>(
+    mut record: FutureRecord<'a, [u8], [u8]>,
+    attempt: impl Fn(FutureRecord<'a, [u8], [u8]>) -> Attempt<'a, T>,
+) -> Result<(DeliveryFuture, T), KafkaError> {
     loop {
-        match producer.send_result(record) {
-            Ok(ack) => return Ok(ack),
-            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
+        match attempt(record) {
+            (Ok(ack), kept) => return Ok((ack, kept)),
+            (Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)), _) => {
                 record = r;
                 tokio::time::sleep(QUEUE_FULL_BACKOFF).await;
             }
-            Err((e, _)) => return Err(e),
+            (Err((e, _)), _) => return Err(e),
         }
     }
 }
