@@ -77,10 +77,11 @@ impl<C: ClientContext + Clone + 'static> ProducerSlot<C> {
     /// True when this call replaced it. A new producer that cannot be made (librdkafka refuses
     /// the configuration it accepted before: not expected) leaves the old one in place.
     pub fn replace(&self, generation: u64) -> bool {
-        let mut current = self.current.write().unwrap_or_else(PoisonError::into_inner);
-        if current.generation != generation {
+        if self.with(|_, g| g) != generation {
             return false;
         }
+        // Made before the slot is locked, since making a client starts its threads: writes
+        // wait on the lock meanwhile.
         let producer = match self.config.create_with_context(self.context.clone()) {
             Ok(p) => p,
             Err(e) => {
@@ -88,15 +89,23 @@ impl<C: ClientContext + Clone + 'static> ProducerSlot<C> {
                 return false;
             }
         };
+        let mut current = self.current.write().unwrap_or_else(PoisonError::into_inner);
+        if current.generation != generation {
+            return false; // replaced meanwhile: the new client is let go unused
+        }
         let old = std::mem::replace(&mut current.producer, producer);
         current.generation += 1;
         // Retired before the slot is let go: a `purge_all` meanwhile reaches it too.
         let mut retired = self.retired.lock().unwrap_or_else(PoisonError::into_inner);
-        retired.retain(|p| p.in_flight_count() > 0);
+        let (busy, idle): (Vec<_>, Vec<_>) =
+            retired.drain(..).partition(|p| p.in_flight_count() > 0);
+        *retired = busy;
         retired.push(old.clone());
         drop(retired);
         drop(current);
         old.purge(PurgeConfig::default().queue());
+        // Let go outside the locks: a client's end joins its threads.
+        drop(idle);
         true
     }
 
