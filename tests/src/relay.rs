@@ -121,7 +121,8 @@ impl Refusals {
 ///
 /// The e2e tests' relayed nodes take four ports each from: 19530, 19540, 19550 (`late_writes`),
 /// 19560 (`slow_transaction_calls`), 19570 (`membership`), 19580 … 19596 (`commit_outage`) and
-/// 19600 … 19636 (`faults`), 19640 and 19644 (`purges`), 19648 (`membership`).
+/// 19600 … 19636 (`faults`), 19640 and 19644 (`purges`), 19648 (`membership`), 19652
+/// (`exactly_once`).
 pub async fn broker_behind_relay(port: u16) -> (Relay, crate::ScriptCluster) {
     let relay = Relay::start(
         &format!("127.0.0.1:{}", port + 3),

@@ -647,3 +647,91 @@ async fn a_record_that_aborts_every_transaction_goes_to_the_dlq_once() {
     worker.terminate();
     topics.delete().await;
 }
+
+/// The relayed node of [`a_rewind_asks_again_for_an_offset_the_coordinator_cannot_serve`]
+/// (all the relayed nodes' ports are listed at `sessionflow_tests::relay::broker_behind_relay`).
+const REWIND_READ_PORT: u16 = 19652;
+
+/// A rewind needs its partition's committed offset, and the group coordinator cannot serve it
+/// for a while (a coordinator moving or restarting: in a chaos run, a worker stopped here after
+/// one timed-out read). On an Apache Kafka node of its own behind the relay, one output write
+/// is refused (the transaction must abort and its partition rewind) while every `OffsetFetch`
+/// is answered "request timed out" for longer than one read may wait (librdkafka asks again
+/// within the read; the read times out). The worker must ask again until the coordinator
+/// answers, rewind, and go on: it keeps running, and the read_committed output has every record
+/// once, in order per session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rewind_asks_again_for_an_offset_the_coordinator_cannot_serve() {
+    use rdkafka::types::RDKafkaRespErr::*;
+    use sessionflow_tests::relay::{RelayedNode, OFFSET_FETCH};
+    use sessionflow_tools::loadgen::{self, LoadgenOptions, SessionChoice};
+    const RECORDS: u64 = 4_000;
+    /// Longer than one read's 10 s (`intake::transactional`), shorter than the rewind's budget.
+    const UNSERVED: Duration = Duration::from_secs(16);
+
+    let node = RelayedNode::start(REWIND_READ_PORT, "eos-rewind-read", 2).await;
+    let (brokers, topics) = (node.brokers.clone(), &node.topics);
+    let opts = LoadgenOptions {
+        choice: SessionChoice::RoundRobin,
+        rate: Some(200.0),
+        ..LoadgenOptions::new(&brokers, &topics.input, RECORDS, 40)
+    };
+    let load = tokio::spawn(async move { loadgen::run(&opts).await });
+    let yaml = topics.stage_yaml_on(&brokers, "{latencyMs: 2, seed: 9}", "delivery: exactlyOnce");
+    let log = std::env::temp_dir().join(sessionflow_tests::unique("eos-rewind-read") + ".log");
+    let mut worker = WorkerProcess::spawn_logging_at(
+        &yaml,
+        &[],
+        std::fs::File::create(&log).expect("log file").into(),
+        "sessionflow_worker=info",
+    );
+    let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    let outputs = || {
+        sessionflow_tests::end_offsets_on(&brokers, &topics.output)
+            .iter()
+            .sum::<i64>()
+    };
+    wait_until(Duration::from_secs(90), || outputs() >= 300)
+        .await
+        .unwrap_or_else(|_| panic!("no progress before the fault:\n{}", read_log()));
+
+    node.relay.refuse(
+        OFFSET_FETCH,
+        RD_KAFKA_RESP_ERR_REQUEST_TIMED_OUT as i16,
+        usize::MAX,
+    );
+    node.relay.refuse_produce(
+        &topics.output,
+        &[RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE as i16],
+    );
+    tokio::time::sleep(UNSERVED).await;
+    node.relay.accept(OFFSET_FETCH);
+    let fetches_refused = node.relay.refused(OFFSET_FETCH);
+
+    load.await.unwrap().expect("loadgen");
+    let committed =
+        sessionflow_tests::wait_committed_to_end_on(&brokers, &topics, Duration::from_secs(120))
+            .await;
+    let log_text = read_log();
+    assert!(
+        worker.running(),
+        "the worker stopped (fetches refused: {fetches_refused}):\n{log_text}"
+    );
+    committed.unwrap_or_else(|(committed, end)| {
+        panic!("committed {committed:?} never reached {end:?}:\n{log_text}")
+    });
+    assert!(
+        log_text.contains("transaction aborted"),
+        "the refused write aborted no transaction:\n{log_text}"
+    );
+    assert!(
+        log_text.contains("could not be read; asking again"),
+        "the rewind's read was never refused (fetches refused: {fetches_refused}):\n{log_text}"
+    );
+    assert!(worker.terminate().success(), "{}", read_log());
+    let report = sessionflow_tests::verify_on(&brokers, &topics);
+    eprintln!("a rewind's read refused for {UNSERVED:?} ({fetches_refused} fetches):\n{report}");
+    assert!(report.is_ok(), "{report}");
+    assert_eq!(report.duplicates, 0, "{report}");
+    assert_eq!(report.records + report.dlq_records, RECORDS, "{report}");
+}

@@ -46,8 +46,15 @@ use crate::output::producer::ProducerEvents;
 use crate::output::transactions::{AbortReason, Doom, Exclusive, Strike, Transactions};
 use crate::record::Lease;
 
-/// How long a rewind waits for the group's committed offset of the partition.
+/// How long one read of the group's committed offset of a partition may take.
 const COMMITTED_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a rewind keeps asking for it before the worker stops: a coordinator's move or
+/// restart (seen lasting ~10–20 s in the chaos suite), well within the default
+/// `max.poll.interval.ms` (300 s) the blocked consumer loop counts against.
+const COMMITTED_BUDGET: Duration = Duration::from_secs(45);
+/// The pause after a failed read, doubled after each one up to `COMMITTED_MAX_PAUSE`.
+const COMMITTED_FIRST_PAUSE: Duration = Duration::from_millis(500);
+const COMMITTED_MAX_PAUSE: Duration = Duration::from_secs(4);
 /// How long a commit or a rewind waits for the write barrier: every write holding a share is
 /// acknowledged, refused or timed out within `message.timeout.ms`; the rest is slack.
 const BARRIER_DEADLINE: Duration = Duration::from_millis(EXACTLY_ONCE_MESSAGE_TIMEOUT_MS + 15_000);
@@ -387,15 +394,14 @@ impl IntakeContext {
         transactions: &Transactions<ProducerEvents>,
         p: Partition,
     ) -> Option<KafkaOffset> {
-        let mut tpl = TopicPartitionList::new();
-        tpl.add_partition(&self.settings.input, p);
-        let committed = match consumer.committed_offsets(tpl, COMMITTED_TIMEOUT) {
+        let committed = match self.read_committed(consumer, p) {
             Ok(c) => self.committed_maps(&c).remove(&p),
             Err(e) => {
                 self.stop_fatally(
                     p,
                     &format!(
-                        "exactlyOnce: the committed offset to rewind to could not be read ({e})"
+                        "exactlyOnce: the committed offset to rewind to could not be read \
+                         within {COMMITTED_BUDGET:?} ({e})"
                     ),
                 );
                 return None;
@@ -418,6 +424,42 @@ impl IntakeContext {
             o.set_confirmed(w);
         }
         Some(from)
+    }
+
+    /// `p`'s committed offset and metadata, asked again after a failure until
+    /// `COMMITTED_BUDGET` is spent: a coordinator moving or restarting answers `NOT_COORDINATOR`
+    /// or nothing for a while, and a rewind without its offset cannot go on. A partition the
+    /// answer names with an error of its own is a failed read too, not "never committed" (that
+    /// would replay the partition from its beginning).
+    fn read_committed(
+        &self,
+        consumer: &BaseConsumer<IntakeContext>,
+        p: Partition,
+    ) -> KafkaResult<TopicPartitionList> {
+        let deadline = Instant::now() + COMMITTED_BUDGET;
+        let mut pause = COMMITTED_FIRST_PAUSE;
+        loop {
+            let mut tpl = TopicPartitionList::new();
+            tpl.add_partition(&self.settings.input, p);
+            let left = deadline.saturating_duration_since(Instant::now());
+            let read = consumer
+                .committed_offsets(tpl, left.min(COMMITTED_TIMEOUT))
+                .and_then(|c| match c.find_partition(&self.settings.input, p) {
+                    Some(e) => e.error().map(|()| c),
+                    None => Ok(c),
+                });
+            let error = match read {
+                Ok(c) => return Ok(c),
+                Err(e) => e,
+            };
+            if Instant::now() + pause >= deadline || self.fatal.is_cancelled() {
+                return Err(error);
+            }
+            tracing::warn!(partition = p, error = %error, retry_in_ms = pause.as_millis() as u64,
+                "exactlyOnce: the committed offset to rewind to could not be read; asking again");
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(COMMITTED_MAX_PAUSE);
+        }
     }
 
     /// Has the consumer fetch `p` again `from` its last commit: librdkafka drops what it had
