@@ -710,7 +710,7 @@ async fn a_rewind_asks_again_for_an_offset_the_coordinator_cannot_serve() {
 
     load.await.unwrap().expect("loadgen");
     let committed =
-        sessionflow_tests::wait_committed_to_end_on(&brokers, &topics, Duration::from_secs(120))
+        sessionflow_tests::wait_committed_to_end_on(&brokers, topics, Duration::from_secs(120))
             .await;
     let log_text = read_log();
     assert!(
@@ -729,7 +729,7 @@ async fn a_rewind_asks_again_for_an_offset_the_coordinator_cannot_serve() {
         "the rewind's read was never refused (fetches refused: {fetches_refused}):\n{log_text}"
     );
     assert!(worker.terminate().success(), "{}", read_log());
-    let report = sessionflow_tests::verify_on(&brokers, &topics);
+    let report = sessionflow_tests::verify_on(&brokers, topics);
     eprintln!("a rewind's read refused for {UNSERVED:?} ({fetches_refused} fetches):\n{report}");
     assert!(report.is_ok(), "{report}");
     assert_eq!(report.duplicates, 0, "{report}");
