@@ -168,16 +168,16 @@ bench-eos:
 
 .PHONY: bench-pc bench-pc-jar callgrind
 
-## callgrind: instructions per record of a fixed in-process workload (librdkafka's mock
-## cluster, 50,000 records, 1,000 Zipf sessions, 8 partitions, no-op handler) under valgrind's
+## callgrind: instructions per record of a fixed workload (50,000 records, 1,000 Zipf sessions,
+## 8 partitions, no-op handler, on Apache Kafka on BROKER_PORT or BROKERS=host:port; the
+## clients' instructions only, from the system's start to its last record) under valgrind's
 ## callgrind, for sessionflow, the raw consumer and the per-partition sequential consumer (issue
 ## 37 compares sessionflow with it); independent of the machine's load.
-## Breakdowns in target/callgrind/. Needs valgrind; ~3 minutes
+## Breakdowns in target/callgrind/. Needs valgrind; ~2 minutes
 callgrind:
 	$(CARGO) build --release -p sessionflow-bench
-	bench/callgrind.sh ceiling
-	bench/callgrind.sh sessionflow
-	bench/callgrind.sh sequential
+	$(if $(BROKERS),SESSIONFLOW_BROKERS=$(BROKERS)) scripts/with-broker.sh sh -c \
+	  'for s in ceiling sessionflow sequential; do bench/callgrind.sh $$s || exit 1; done'
 
 .PHONY: chaos
 

@@ -6,10 +6,16 @@
 #   bench/callgrind.sh [sessionflow|ceiling|sequential] [workload args, e.g. --records 50000]
 #
 # BIN (default target/release/sessionflow-bench) and OUT_DIR (default target/callgrind) can be
-# set. Needs valgrind; build the binary first (cargo build --release -p sessionflow-bench).
+# set. With SESSIONFLOW_BROKERS set (scripts/with-broker.sh sets it), the records live on that
+# cluster (Apache Kafka) unless the arguments name one; without it, on librdkafka's mock cluster
+# inside the measured process. Needs valgrind; build the binary first (cargo build --release -p
+# sessionflow-bench).
 set -euo pipefail
 system=${1:-sessionflow}
 shift || true
+if [[ -n ${SESSIONFLOW_BROKERS:-} && " $* " != *" --brokers "* ]]; then
+  set -- --brokers "$SESSIONFLOW_BROKERS" "$@"
+fi
 bin=${BIN:-target/release/sessionflow-bench}
 dir=${OUT_DIR:-target/callgrind}
 mkdir -p "$dir"

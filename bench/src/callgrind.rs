@@ -7,11 +7,13 @@
 //! raw consumer for the floor that librdkafka and the mock broker set, or the per-partition
 //! sequential consumer that P1 compares sessionflow with) draining them with the bench's no-op
 //! handler. Under `valgrind --tool=callgrind` it brackets the drain with
-//! callgrind's client requests: the counters are zeroed once a tenth of the records is done
-//! (start-up, group join and the first sessions' spawning are behind it) and dumped when the
-//! last one is, so that dump holds exactly the cost of the records in between, on every thread.
+//! callgrind's client requests: the counters are zeroed just before the system starts (or,
+//! with `--window tail`, once a tenth of the records is done) and dumped when the last record
+//! is, so that dump holds the cost of draining them, on every thread (see [`Window`]).
 //! `bench/callgrind.sh` runs it and divides. Outside valgrind the requests do nothing, and the
-//! run reports its rate only.
+//! run reports its rate only. With `--brokers` the records live on a cluster of their own
+//! (Apache Kafka, `scripts/kafka.sh`) instead, in fresh topics deleted afterwards: the broker's
+//! work is then outside the count, which holds the clients' instructions only.
 //!
 //! With `--traceparent-sampled R` every record carries a W3C `traceparent` (its own trace),
 //! the sampled flag set on a fraction R of them, spread evenly — what an upstream that samples
@@ -55,6 +57,78 @@ pub struct WorkloadArgs {
     /// engine's `prefetchRecords`).
     #[arg(long, value_parser = crate::key_value)]
     sessionflow_kafka: Vec<(String, String)>,
+    /// A Kafka cluster to run on (`host:port,…`; fresh topics and group, deleted afterwards)
+    /// instead of librdkafka's mock cluster in this process. Then only the clients' own
+    /// instructions are counted, not the broker's.
+    #[arg(long)]
+    brokers: Option<String>,
+    /// What the count covers: `whole` (from just before the system starts: its start-up, the
+    /// group join and every record's fetching) or `tail` (from the tenth of the records done).
+    #[arg(long, value_enum, default_value_t = Window::Whole)]
+    window: Window,
+}
+
+/// The part of the drain the count covers.
+///
+/// `tail` leaves start-up out, but not evenly: librdkafka fetches and parses records well
+/// ahead of the handlers (a fetch brings up to a megabyte a partition, and each system's queues
+/// hold thousands of records), so by the time a tenth is done a system has paid for the
+/// fetching of a share of the rest that depends on its queue settings and on how its threads
+/// were scheduled. Both systems' counts then lack a different, varying part of the fetch
+/// cost. `whole` counts every record's fetching, and the start-up with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Window {
+    Whole,
+    Tail,
+}
+
+/// Where the workload's records live: librdkafka's mock cluster in this process (its broker's
+/// instructions are counted with the clients'), or a cluster of its own (Apache Kafka).
+enum Cluster {
+    InProcess(MockCluster<'static, rdkafka::producer::DefaultProducerContext>),
+    External(String),
+}
+
+impl Cluster {
+    /// The cluster, with `topics` of `partitions` partitions.
+    async fn with_topics(
+        brokers: Option<String>,
+        topics: &[&str],
+        partitions: i32,
+    ) -> anyhow::Result<Self> {
+        match brokers {
+            Some(brokers) => {
+                sessionflow_worker::kafka::topics::create(&brokers, topics, partitions).await?;
+                Ok(Self::External(brokers))
+            }
+            None => {
+                let cluster =
+                    MockCluster::new(1).map_err(|e| anyhow::anyhow!("mock cluster: {e}"))?;
+                for t in topics {
+                    cluster
+                        .create_topic(t, partitions, 1)
+                        .map_err(|e| anyhow::anyhow!("creating topic {t}: {e}"))?;
+                }
+                Ok(Self::InProcess(cluster))
+            }
+        }
+    }
+
+    fn bootstrap(&self) -> String {
+        match self {
+            Self::InProcess(cluster) => cluster.bootstrap_servers(),
+            Self::External(brokers) => brokers.clone(),
+        }
+    }
+
+    /// Deletes `topics` from a cluster of its own (the mock cluster goes with the process).
+    async fn clean_up(&self, topics: &[&str]) {
+        if let Self::External(brokers) = self {
+            if let Err(e) = sessionflow_worker::kafka::topics::delete(brokers, topics).await {
+                eprintln!("could not delete the workload's topics {topics:?}: {e}");
+            }
+        }
+    }
 }
 
 /// Callgrind's client requests (valgrind/callgrind.h): the tool base `('C','T')`, then in order
@@ -101,15 +175,29 @@ pub async fn run(args: WorkloadArgs) -> anyhow::Result<()> {
         ),
         "--system: sessionflow, ceiling or sequential"
     );
-    let cluster = MockCluster::new(1).map_err(|e| anyhow::anyhow!("mock cluster: {e}"))?;
-    let topic = "callgrind-in";
-    let dlq = "callgrind-dlq";
-    for t in [topic, dlq] {
-        cluster
-            .create_topic(t, args.partitions, 1)
-            .map_err(|e| anyhow::anyhow!("creating topic {t}: {e}"))?;
-    }
-    let brokers = cluster.bootstrap_servers();
+    // Names of their own: a cluster of its own outlives the run.
+    let tag = format!("{}-{:x}", std::process::id(), crate::measurement::now_us());
+    let (topic, dlq, group) = (
+        format!("callgrind-in-{tag}"),
+        format!("callgrind-dlq-{tag}"),
+        format!("callgrind-{tag}"),
+    );
+    let cluster =
+        Cluster::with_topics(args.brokers.clone(), &[&topic, &dlq], args.partitions).await?;
+    let result = drain(&args, &cluster.bootstrap(), &topic, &dlq, &group).await;
+    cluster.clean_up(&[&topic, &dlq]).await;
+    result
+}
+
+/// Produces the workload's records to `topic`, then has the system drain them.
+async fn drain(
+    args: &WorkloadArgs,
+    brokers: &str,
+    topic: &str,
+    dlq: &str,
+    group: &str,
+) -> anyhow::Result<()> {
+    let brokers = brokers.to_string();
     let load = Load {
         topic: topic.into(),
         records: args.records,
@@ -130,7 +218,7 @@ pub async fn run(args: WorkloadArgs) -> anyhow::Result<()> {
         topic: topic.into(),
         dlq: dlq.into(),
         output: None,
-        group: "callgrind".into(),
+        group: group.into(),
         partitions: args.partitions,
         retry_initial_ms: 1,
         retry_max_ms: 100,
@@ -154,7 +242,10 @@ pub async fn run(args: WorkloadArgs) -> anyhow::Result<()> {
     let started = Instant::now();
     // The window is bracketed by the calls that finish its first and last records, on their
     // own threads (`Core::on_handled`): exactly the records between them are in the dump.
-    let from = (args.records / 10).max(1);
+    let from = match args.window {
+        Window::Tail => (args.records / 10).max(1),
+        Window::Whole => 0,
+    };
     let zeroed = Arc::new(OnceLock::new());
     let dumped = Arc::new(OnceLock::new());
     let reason: &'static CStr = c"drained";
@@ -168,15 +259,19 @@ pub async fn run(args: WorkloadArgs) -> anyhow::Result<()> {
             }),
         }
     };
-    core.on_handled(vec![
-        at(from, ZERO_STATS, 0, &zeroed),
-        at(
-            args.records,
-            DUMP_STATS_AT,
-            reason.as_ptr() as usize,
-            &dumped,
-        ),
-    ]);
+    let dump = at(
+        args.records,
+        DUMP_STATS_AT,
+        reason.as_ptr() as usize,
+        &dumped,
+    );
+    if from == 0 {
+        client_request(ZERO_STATS, 0, 0);
+        let _ = zeroed.set(Instant::now());
+        core.on_handled(vec![dump]);
+    } else {
+        core.on_handled(vec![at(from, ZERO_STATS, 0, &zeroed), dump]);
+    }
     let running = systems::start(args.system, &settings, core.clone()).await?;
     if args.spans {
         sessionflow_worker::ops::telemetry::set_every_record_span(true);
