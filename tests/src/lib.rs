@@ -875,90 +875,6 @@ pub fn verify_on(brokers: &str, topics: &Topics) -> sessionflow_tools::verify::V
     .expect("verify")
 }
 
-/// librdkafka's mock cluster, as the tests host it.
-pub type MockCluster =
-    rdkafka::mocking::MockCluster<'static, rdkafka::producer::DefaultProducerContext>;
-
-/// librdkafka's mock cluster with the topics of one test: the second real Kafka
-/// implementation of these tests (TESTING.md), for what nisshi cannot do — commit metadata,
-/// and faults injected per API (request errors, brokers down, round-trip delays, coordinator
-/// moves). Worker processes reach it over loopback like any cluster. It must outlive the
-/// test's workers.
-pub struct MockKafka {
-    pub cluster: MockCluster,
-    /// Its bootstrap servers.
-    pub brokers: String,
-    pub topics: Topics,
-}
-
-impl MockKafka {
-    /// `brokers` brokers; input and output with `partitions` partitions, a one-partition DLQ,
-    /// all replicated on up to three brokers. The admin API's CreateTopics does not work on the
-    /// mock, so topics are made through it directly.
-    pub fn new(name: &str, brokers: i32, partitions: i32) -> Self {
-        init_telemetry();
-        let cluster = rdkafka::mocking::MockCluster::new(brokers).expect("mock cluster");
-        let topics = Topics::named(name);
-        let replication = brokers.min(3);
-        for t in [&topics.input, &topics.output] {
-            cluster
-                .create_topic(t, partitions, replication)
-                .expect("create topic");
-        }
-        cluster
-            .create_topic(&topics.dlq, 1, replication)
-            .expect("create topic");
-        Self {
-            brokers: cluster.bootstrap_servers(),
-            cluster,
-            topics,
-        }
-    }
-
-    /// Two brokers: the input and the group's coordinator on broker 1, the output and the DLQ
-    /// on broker 2, so that a fault of one (an answer slowed, a request refused) leaves the
-    /// other alone.
-    pub fn split(name: &str, partitions: i32) -> Self {
-        let mock = Self::new(name, 2, partitions);
-        let topics = &mock.topics;
-        for p in 0..partitions {
-            mock.cluster
-                .partition_leader(&topics.input, p, Some(1))
-                .expect("input leader");
-            mock.cluster
-                .partition_leader(&topics.output, p, Some(2))
-                .expect("output leader");
-        }
-        mock.cluster
-            .partition_leader(&topics.dlq, 0, Some(2))
-            .expect("DLQ leader");
-        mock.cluster
-            .coordinator(
-                rdkafka::mocking::MockCoordinator::Group(topics.group.clone()),
-                1,
-            )
-            .expect("coordinator");
-        mock
-    }
-
-    /// A config file for the worker binary on this cluster (see [`Topics::stage_yaml_on`]).
-    pub fn stage_yaml(&self, builtin: &str, extra: &str) -> String {
-        self.topics.stage_yaml_on(&self.brokers, builtin, extra)
-    }
-
-    /// Records in the output topic.
-    pub fn output_count(&self) -> u64 {
-        end_offsets_on(&self.brokers, &self.topics.output)
-            .iter()
-            .sum::<i64>() as u64
-    }
-
-    /// `verify` over this cluster's topics.
-    pub fn verify(&self) -> sessionflow_tools::verify::VerifyReport {
-        verify_on(&self.brokers, &self.topics)
-    }
-}
-
 /// Repeats a test's panic message on stdout (once per test process; later calls do nothing).
 ///
 /// A panic is printed to stderr, after everything the test's worker processes logged there
@@ -1027,6 +943,32 @@ impl ScriptCluster {
 
     /// Creates `topics` (each a name and its partitions) on this cluster, one replica each.
     pub async fn create_topics(&self, topics: &[(&str, i32)]) {
+        self.create_replicated_topics(topics, 1).await;
+    }
+
+    /// [`create_stage_topics`](Self::create_stage_topics) with `replicas` replicas of each
+    /// partition (the cluster's `min.insync.replicas` applies: one less than its nodes).
+    pub async fn create_replicated_stage_topics(
+        &self,
+        name: &str,
+        partitions: i32,
+        replicas: i32,
+    ) -> Topics {
+        let topics = Topics::named(name);
+        self.create_replicated_topics(
+            &[
+                (&topics.input, partitions),
+                (&topics.output, partitions),
+                (&topics.dlq, 1),
+            ],
+            replicas,
+        )
+        .await;
+        topics
+    }
+
+    /// Creates `topics` (each a name and its partitions) with `replicas` replicas each.
+    pub async fn create_replicated_topics(&self, topics: &[(&str, i32)], replicas: i32) {
         use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
         let admin: AdminClient<rdkafka::client::DefaultClientContext> = ClientConfig::new()
             .set("bootstrap.servers", &self.bootstrap)
@@ -1034,7 +976,9 @@ impl ScriptCluster {
             .expect("admin client");
         let new: Vec<NewTopic> = topics
             .iter()
-            .map(|(name, partitions)| NewTopic::new(name, *partitions, TopicReplication::Fixed(1)))
+            .map(|(name, partitions)| {
+                NewTopic::new(name, *partitions, TopicReplication::Fixed(replicas))
+            })
             .collect();
         let created = admin
             .create_topics(
@@ -1044,6 +988,111 @@ impl ScriptCluster {
             .await
             .expect("create topics");
         assert!(created.iter().all(|r| r.is_ok()), "{created:?}");
+    }
+
+    /// The node id (`node.id`, 1-based) of the broker leading `partition` of `topic` now.
+    pub fn leader(&self, topic: &str, partition: i32) -> i32 {
+        let c: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &self.bootstrap)
+            .create()
+            .expect("metadata client");
+        let md = c
+            .fetch_metadata(Some(topic), Duration::from_secs(10))
+            .expect("metadata");
+        md.topics()[0]
+            .partitions()
+            .iter()
+            .find(|p| p.id() == partition)
+            .unwrap_or_else(|| panic!("no partition {partition} of {topic}"))
+            .leader()
+    }
+
+    /// The node id of `group`'s coordinator now: the leader of the partition of
+    /// `__consumer_offsets` that Kafka keeps the group in (the group id's Java hash code, its
+    /// absolute value, modulo the topic's partitions). The topic exists once a group has asked
+    /// for its coordinator.
+    pub fn group_coordinator(&self, group: &str) -> i32 {
+        let hash = group
+            .encode_utf16()
+            .fold(0i32, |h, c| h.wrapping_mul(31).wrapping_add(i32::from(c)));
+        // Kafka's `Utils.abs`: `Integer.MIN_VALUE` maps to 0.
+        let hash = if hash == i32::MIN { 0 } else { hash.abs() };
+        let c: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &self.bootstrap)
+            .create()
+            .expect("metadata client");
+        let md = c
+            .fetch_metadata(Some("__consumer_offsets"), Duration::from_secs(10))
+            .expect("metadata");
+        let partitions = md.topics()[0].partitions();
+        assert!(!partitions.is_empty(), "no __consumer_offsets yet");
+        self.leader("__consumer_offsets", hash % partitions.len() as i32)
+    }
+
+    /// The pid of node `i` (0-based, as `scripts/kafka.sh` counts: node id `i + 1`).
+    pub fn node_pid(&self, i: usize) -> u32 {
+        let out = std::process::Command::new(kafka_script())
+            .args([
+                "pid",
+                "--port",
+                &self.port.to_string(),
+                "--node",
+                &i.to_string(),
+            ])
+            .output()
+            .expect("kafka.sh pid");
+        let pid = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        pid.parse()
+            .unwrap_or_else(|_| panic!("no pid for node {i}: {pid:?}"))
+    }
+
+    /// `kill -9` of node `i`: a crash. Returns once the process is gone.
+    pub fn kill_node(&self, i: usize) {
+        self.signal_node(i, "-KILL", Duration::from_secs(10));
+    }
+
+    /// SIGTERM of node `i`: a controlled shutdown (the controller moves its leaderships
+    /// away, the group coordinators it hosts among them, before it exits). Returns once the
+    /// process is gone.
+    pub fn stop_node(&self, i: usize) {
+        self.signal_node(i, "-TERM", Duration::from_secs(60));
+    }
+
+    fn signal_node(&self, i: usize, signal: &str, within: Duration) {
+        let pid = self.node_pid(i).to_string();
+        let sent = std::process::Command::new("kill")
+            .args([signal, &pid])
+            .status()
+            .expect("kill");
+        assert!(sent.success(), "kill {signal} {pid}");
+        let gone = || {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .map_or(true, |stat| stat.split_whitespace().nth(2) == Some("Z"))
+        };
+        let deadline = std::time::Instant::now() + within;
+        while !gone() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "node {i} (pid {pid}) still runs {within:?} after kill {signal}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Starts node `i` again after [`kill_node`](Self::kill_node) or
+    /// [`stop_node`](Self::stop_node) (it rejoins the cluster and catches up on its own).
+    pub fn restart_node(&self, i: usize) {
+        let status = std::process::Command::new(kafka_script())
+            .args([
+                "restart-node",
+                "--port",
+                &self.port.to_string(),
+                "--node",
+                &i.to_string(),
+            ])
+            .status()
+            .expect("kafka.sh restart-node");
+        assert!(status.success(), "restart of node {i}");
     }
 
     /// The folder with the CA, and `client.properties`, of a `--sasl-ssl` cluster.

@@ -1,9 +1,9 @@
 //! Order and no loss under faults (issue 10). Most tests run on Apache Kafka: each on a node of
 //! its own behind the tests' relay (`sessionflow_tests::relay`), which refuses the Produce
 //! requests to the topic a test names and the OffsetCommit requests with the error it names,
-//! and delays every answer; the panicking handler needs no fault of the broker's and runs on the
-//! shared broker. The tests that take a broker down or move the group coordinator stay on
-//! librdkafka's mock cluster, which can do both to one broker of three.
+//! and delays every answer; the tests that take a node down or move the group coordinator each
+//! run on a three-node cluster of their own (`ClusterPipeline`); the panicking handler needs no
+//! fault of the broker's and runs on the shared broker.
 //!
 //! The other end-to-end tests live in a world where every produce succeeds, every commit lands
 //! and the broker never blinks. Real pipelines do not: a broker restarts, the output topic
@@ -34,14 +34,11 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use rdkafka::config::ClientConfig;
-use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::mocking::MockCoordinator;
 use rdkafka::types::RDKafkaRespErr;
 use sessionflow_tests::relay::{Relay, RelayedNode, OFFSET_COMMIT, PRODUCE};
 use sessionflow_tests::{
     assert_replays_within, builtin, verify_on, wait_committed_to_end_on, wait_until, Gate,
-    MockKafka, RecordingHandler, ScriptCluster, Topics,
+    RecordingHandler, ScriptCluster, Topics,
 };
 use sessionflow_tools::loadgen::{self, LoadgenOptions, SessionChoice};
 use sessionflow_tools::verify::{read_topic, SeqRecord, VerifyReport};
@@ -57,8 +54,6 @@ const MAX_IN_FLIGHT: usize = 200;
 const REPLAY_BOUND: u64 = MAX_IN_FLIGHT as u64 * PARTITIONS as u64;
 /// How long the committed offsets get to reach the end offsets once a fault is over.
 const CONVERGE: Duration = Duration::from_secs(60);
-
-type Cluster = sessionflow_tests::MockCluster;
 
 /// Where a fault test runs: the brokers and the topics of one test.
 struct Pipeline {
@@ -94,48 +89,91 @@ impl Pipeline {
     }
 }
 
-/// A mock cluster with the topics of one test. It must outlive the test's workers.
-struct MockPipeline {
-    cluster: Cluster,
+/// A three-node Apache Kafka cluster of the test's own (`scripts/kafka.sh --nodes 3` on `port`
+/// … `port + 11`), with topics of three replicas (`min.insync.replicas` 2): a node can go down
+/// and the partitions it led move to the others. The tests that use one run one at a time
+/// (nextest's `kafka-clusters` group). It must outlive the test's workers.
+struct ClusterPipeline {
+    cluster: ScriptCluster,
     pipeline: Pipeline,
 }
 
-impl std::ops::Deref for MockPipeline {
+impl std::ops::Deref for ClusterPipeline {
     type Target = Pipeline;
     fn deref(&self) -> &Pipeline {
         &self.pipeline
     }
 }
 
-impl MockPipeline {
-    /// `brokers` brokers; input and output with [`PARTITIONS`] partitions (see [`MockKafka`]).
-    fn new(name: &str, brokers: i32) -> Self {
-        let MockKafka {
-            cluster,
-            brokers,
-            topics,
-        } = MockKafka::new(name, brokers, PARTITIONS);
+impl ClusterPipeline {
+    /// From a multi-thread runtime (the script blocks while the nodes start).
+    async fn new(name: &str, port: u16) -> Self {
+        let cluster = tokio::task::block_in_place(|| ScriptCluster::start(port, &["--nodes", "3"]));
+        let topics = cluster
+            .create_replicated_stage_topics(name, PARTITIONS, 3)
+            .await;
         Self {
+            pipeline: Pipeline {
+                brokers: cluster.bootstrap.clone(),
+                topics,
+            },
             cluster,
-            pipeline: Pipeline { brokers, topics },
         }
     }
 
-    /// The broker leading `partition` of `topic` (mock broker ids start at 1).
-    fn leader(&self, topic: &str, partition: i32) -> i32 {
-        let c: BaseConsumer = ClientConfig::new()
-            .set("bootstrap.servers", &self.brokers)
-            .create()
-            .unwrap();
-        let md = c
-            .fetch_metadata(Some(topic), Duration::from_secs(10))
-            .unwrap();
-        md.topics()[0]
-            .partitions()
-            .iter()
-            .find(|p| p.id() == partition)
-            .expect("partition")
-            .leader()
+    /// The node id of the group's coordinator now.
+    fn coordinator(&self) -> i32 {
+        tokio::task::block_in_place(|| self.cluster.group_coordinator(&self.topics.group))
+    }
+
+    /// The node ids leading each partition of `topic` now.
+    fn leaders(&self, topic: &str) -> Vec<i32> {
+        tokio::task::block_in_place(|| {
+            (0..PARTITIONS)
+                .map(|i| self.cluster.leader(topic, i))
+                .collect()
+        })
+    }
+
+    /// Takes node `id` down (a crash, or a controlled shutdown when `controlled`) and returns
+    /// once its process is gone; the in-process worker's runtime threads are not blocked.
+    fn take_down(&self, id: i32, controlled: bool) {
+        let i = (id - 1) as usize;
+        tokio::task::block_in_place(|| {
+            if controlled {
+                self.cluster.stop_node(i);
+            } else {
+                self.cluster.kill_node(i);
+            }
+        });
+    }
+
+    fn bring_back(&self, id: i32) {
+        tokio::task::block_in_place(|| self.cluster.restart_node((id - 1) as usize));
+    }
+
+    /// Produces `sessions` × `per_session` records (as [`Pipeline::produce`]) at `rate` a
+    /// second in the background, so that a fault meets records still coming.
+    fn produce_paced(
+        &self,
+        sessions: u64,
+        per_session: u64,
+        rate: f64,
+    ) -> tokio::task::JoinHandle<()> {
+        let opts = LoadgenOptions {
+            choice: SessionChoice::RoundRobin,
+            session_prefix: "session-".into(),
+            rate: Some(rate),
+            ..LoadgenOptions::new(
+                &self.brokers,
+                &self.topics.input,
+                sessions * per_session,
+                sessions,
+            )
+        };
+        tokio::spawn(async move {
+            loadgen::run(&opts).await.expect("loadgen");
+        })
     }
 }
 
@@ -184,6 +222,10 @@ const DLQ_RETRIABLE_PORT: u16 = 19624;
 const DLQ_REFUSED_PORT: u16 = 19628;
 const DLQ_BLOCKED_PORT: u16 = 19632;
 const SLOW_ACKS_PORT: u16 = 19636;
+/// The first port of each three-node cluster ([`ClusterPipeline`], twelve ports each).
+const LEADER_DOWN_PORT: u16 = 19660;
+const COORDINATOR_DOWN_PORT: u16 = 19672;
+const COORDINATOR_MOVED_PORT: u16 = 19684;
 
 /// Kafka's error code for a librdkafka error that a broker sends.
 fn code(error: RDKafkaRespErr) -> i16 {
@@ -293,49 +335,49 @@ fn print_order_problems(handler: &RecordingHandler) {
 
 // ---- broker down ----------------------------------------------------------------------------
 
-/// A broker that leads input and output partitions goes away for a few seconds mid-run and
-/// comes back (the mock does not move leadership: its partitions are unavailable meanwhile).
-/// Fetches and produces to it stall, the producer keeps the outputs queued, nothing is
-/// skipped. With `coordinator_too` the broker is also the group's coordinator and stays down
-/// longer than the session timeout: heartbeats and commits stall as well, the member is
-/// evicted and rejoins (a rebalance, and the replays it may cause).
-async fn broker_down_for_a_few_seconds(name: &str, coordinator_too: bool) {
-    let p = MockPipeline::new(name, 3);
-    p.produce("session-", 40, 50).await;
-    // The mock spreads leaders at random: take down the broker leading the most input and
-    // output partitions.
-    let leaders =
-        |topic: &str| -> Vec<i32> { (0..PARTITIONS).map(|i| p.leader(topic, i)).collect() };
-    let (inputs, outputs) = (leaders(&p.topics.input), leaders(&p.topics.output));
-    let down = (1..=3)
-        .max_by_key(|b| {
-            let led = inputs.iter().chain(&outputs).filter(|l| *l == b).count();
-            (led, -b)
-        })
-        .unwrap();
-    let coordinator = match (coordinator_too, down) {
-        (true, _) => down,
-        (false, 1) => 2,
-        (false, _) => 1,
-    };
-    p.cluster
-        .coordinator(MockCoordinator::Group(p.topics.group.clone()), coordinator)
-        .unwrap();
+/// A node that leads input and output partitions crashes (`kill -9`) mid-run while records
+/// are still coming, and is started again a few seconds later: the partitions it led move to
+/// the other two nodes (once the controller fences it), fetches and produces to it stall
+/// meanwhile, the producer keeps the outputs queued, nothing is skipped. With `coordinator_too`
+/// the node is the group's coordinator and stays down longer than the session timeout:
+/// heartbeats and commits stall as well, the coordinator moves, and the member may be evicted
+/// and rejoin (a rebalance, and the replays it may cause).
+async fn broker_down_for_a_few_seconds(name: &str, port: u16, coordinator_too: bool) {
+    let p = ClusterPipeline::new(name, port).await;
+    let load = p.produce_paced(40, 50, 250.0);
     let handler = slow_pass_through(Duration::from_millis(30));
     let worker = sessionflow_worker::start(p.stage(), handler.clone())
         .await
         .unwrap();
     wait_for_outputs(&worker, 300).await;
-    eprintln!("leaders: input {inputs:?}, output {outputs:?}; broker {down} goes down");
-    p.cluster.broker_down(down).unwrap();
+    let coordinator = p.coordinator();
+    let (inputs, outputs) = (p.leaders(&p.topics.input), p.leaders(&p.topics.output));
+    // Otherwise the node leading the most input and output partitions, of the other two.
+    let down = if coordinator_too {
+        coordinator
+    } else {
+        (1..=3)
+            .filter(|&n| n != coordinator)
+            .max_by_key(|n| inputs.iter().chain(&outputs).filter(|l| *l == n).count())
+            .unwrap()
+    };
+    eprintln!(
+        "leaders: input {inputs:?}, output {outputs:?}; coordinator {coordinator}; node {down} \
+         goes down"
+    );
     let out_at_down = worker.metrics.records_out.get();
+    p.take_down(down, false);
     let outage = if coordinator_too { 8 } else { 4 };
     tokio::time::sleep(Duration::from_secs(outage)).await;
     eprintln!(
-        "broker {down} (coordinator: {coordinator_too}) down for {outage} s: outputs {out_at_down} → {} meanwhile",
-        worker.metrics.records_out.get()
+        "node {down} (coordinator: {coordinator_too}) down for {outage} s: outputs {out_at_down} \
+         → {} meanwhile; leaders now: input {:?}, output {:?}",
+        worker.metrics.records_out.get(),
+        p.leaders(&p.topics.input),
+        p.leaders(&p.topics.output),
     );
-    p.cluster.broker_up(down).unwrap();
+    p.bring_back(down);
+    load.await.unwrap();
     let report = p.settle(worker).await;
     assert_eq!(report.records, 2_000 + report.duplicates, "{report}");
     assert_eq!(report.dlq_records, 0, "{report}");
@@ -344,18 +386,14 @@ async fn broker_down_for_a_few_seconds(name: &str, coordinator_too: bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partition_leader_down_for_a_few_seconds_loses_nothing() {
-    broker_down_for_a_few_seconds("leader-down", false).await;
+    broker_down_for_a_few_seconds("leader-down", LEADER_DOWN_PORT, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_coordinator_broker_down_for_a_few_seconds_loses_nothing() {
-    broker_down_for_a_few_seconds("coordinator-down", true).await;
+    broker_down_for_a_few_seconds("coordinator-down", COORDINATOR_DOWN_PORT, true).await;
 }
 
-// ---- produce errors on the output -----------------------------------------------------------
-
-/// A burst of retriable Produce errors mid-run: librdkafka retries them itself; every output
-/// lands once, in order, and nothing goes to the DLQ.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retriable_produce_errors_on_the_output_are_retried_in_order() {
     use RDKafkaRespErr::*;
@@ -813,22 +851,35 @@ async fn commits_converge_after_the_coordinator_was_unavailable() {
 
 // ---- coordinator moved ----------------------------------------------------------------------
 
-/// The group coordinator moves to another broker mid-run: the old one answers
-/// `NOT_COORDINATOR`, the client finds the new one; heartbeats and commits carry on there.
+/// The group coordinator moves to another node mid-run, twice, as in a rolling restart: its
+/// node shuts down in a controlled way (the controller moves its leaderships, the group's
+/// `__consumer_offsets` partition among them, before it exits), the old coordinator answers
+/// `NOT_COORDINATOR` meanwhile, the client finds the new one, and heartbeats and commits carry
+/// on there; the node is then started again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_coordinator_moving_mid_run_loses_nothing() {
-    let p = MockPipeline::new("coordinator-moved", 3);
-    p.produce("session-", 40, 50).await;
-    let group = || MockCoordinator::Group(p.topics.group.clone());
-    p.cluster.coordinator(group(), 1).unwrap();
+    let p = ClusterPipeline::new("coordinator-moved", COORDINATOR_MOVED_PORT).await;
+    let load = p.produce_paced(40, 50, 150.0);
     let handler = slow_pass_through(Duration::from_millis(30));
     let worker = sessionflow_worker::start(p.stage(), handler.clone())
         .await
         .unwrap();
-    wait_for_outputs(&worker, 300).await;
-    p.cluster.coordinator(group(), 2).unwrap();
-    wait_for_outputs(&worker, 1_000).await;
-    p.cluster.coordinator(group(), 3).unwrap();
+    for outputs in [300, 1_000] {
+        wait_for_outputs(&worker, outputs).await;
+        let from = p.coordinator();
+        p.take_down(from, true);
+        let to = p.coordinator();
+        assert_ne!(
+            from, to,
+            "the coordinator did not move off a node that shut down"
+        );
+        p.bring_back(from);
+        eprintln!(
+            "the coordinator moved from node {from} to node {to} at {} outputs",
+            worker.metrics.records_out.get()
+        );
+    }
+    load.await.unwrap();
     let report = p.settle(worker).await;
     assert_eq!(report.records, 2_000 + report.duplicates, "{report}");
     print_order_problems(&handler);

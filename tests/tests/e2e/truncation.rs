@@ -9,7 +9,6 @@
 //! point without a word. The new records must be processed, not skipped as "already taken in"
 //! (before leader epochs were read, they were lost: committed past, never handled).
 
-use std::process::Command;
 use std::time::Duration;
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -17,8 +16,7 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::ClientConfig;
 use sessionflow_tests::{
-    committed_offsets_on, end_offsets_on, kafka_script, wait_until, ScriptCluster, Topics,
-    WorkerProcess,
+    committed_offsets_on, end_offsets_on, wait_until, ScriptCluster, Topics, WorkerProcess,
 };
 use sessionflow_tools::loadgen::{self, LoadgenOptions, SessionChoice};
 use sessionflow_tools::verify::{self, VerifyOptions, VerifyReport};
@@ -80,7 +78,7 @@ async fn records_rewritten_under_offsets_already_taken_in_are_processed_not_skip
         .expect("the shared records committed");
 
     // The follower goes: once the controller has fenced it, only the leader is in sync.
-    kill_node(PORT, 1);
+    cluster.kill_node(1);
     wait_until(Duration::from_secs(60), || partition().isr == vec![1])
         .await
         .unwrap_or_else(|()| panic!("ISR never shrank to the leader: {:?}", partition()));
@@ -91,8 +89,8 @@ async fn records_rewritten_under_offsets_already_taken_in_are_processed_not_skip
         .expect("the leader-only records committed");
 
     // The leader goes and the follower comes back: elected without the last records.
-    kill_node(PORT, 0);
-    restart_node(PORT, 1);
+    cluster.kill_node(0);
+    cluster.restart_node(1);
     wait_until(Duration::from_secs(120), || partition().leader == 2)
         .await
         .unwrap_or_else(|()| panic!("the follower was never elected: {:?}", partition()));
@@ -102,7 +100,7 @@ async fn records_rewritten_under_offsets_already_taken_in_are_processed_not_skip
         "the log was truncated to what the follower had"
     );
     produce("rewritten-", REWRITTEN).await;
-    restart_node(PORT, 0);
+    cluster.restart_node(0);
 
     let end = (SHARED + REWRITTEN) as i64;
     wait_until(Duration::from_secs(120), || committed() == end)
@@ -170,34 +168,4 @@ fn verify(brokers: &str, topics: &Topics) -> Option<VerifyReport> {
     })
     .map_err(|e| eprintln!("verify: {e:#}"))
     .ok()
-}
-
-/// `kill -9` of node `i` (0-based, as `scripts/kafka.sh` counts) of the cluster on `port`.
-fn kill_node(port: u16, i: usize) {
-    let out = Command::new(kafka_script())
-        .args(["pid", "--port", &port.to_string(), "--node", &i.to_string()])
-        .output()
-        .expect("kafka.sh pid");
-    let pid = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    assert!(!pid.is_empty(), "no pid for node {i}");
-    let killed = Command::new("kill")
-        .args(["-9", &pid])
-        .status()
-        .expect("kill");
-    assert!(killed.success(), "kill -9 {pid}");
-}
-
-/// Starts node `i` again after [`kill_node`].
-fn restart_node(port: u16, i: usize) {
-    let status = Command::new(kafka_script())
-        .args([
-            "restart-node",
-            "--port",
-            &port.to_string(),
-            "--node",
-            &i.to_string(),
-        ])
-        .status()
-        .expect("kafka.sh restart-node");
-    assert!(status.success(), "restart of node {i}");
 }
