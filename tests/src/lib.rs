@@ -990,8 +990,9 @@ impl ScriptCluster {
         assert!(created.iter().all(|r| r.is_ok()), "{created:?}");
     }
 
-    /// The node id (`node.id`, 1-based) of the broker leading `partition` of `topic` now.
-    pub fn leader(&self, topic: &str, partition: i32) -> i32 {
+    /// The node id (`node.id`, 1-based) of the broker leading each partition of `topic` now,
+    /// by partition (one metadata request).
+    pub fn leaders(&self, topic: &str) -> Vec<i32> {
         let c: BaseConsumer = ClientConfig::new()
             .set("bootstrap.servers", &self.bootstrap)
             .create()
@@ -999,12 +1000,13 @@ impl ScriptCluster {
         let md = c
             .fetch_metadata(Some(topic), Duration::from_secs(10))
             .expect("metadata");
-        md.topics()[0]
+        let mut partitions: Vec<(i32, i32)> = md.topics()[0]
             .partitions()
             .iter()
-            .find(|p| p.id() == partition)
-            .unwrap_or_else(|| panic!("no partition {partition} of {topic}"))
-            .leader()
+            .map(|p| (p.id(), p.leader()))
+            .collect();
+        partitions.sort_unstable();
+        partitions.into_iter().map(|(_, leader)| leader).collect()
     }
 
     /// The node id of `group`'s coordinator now: the leader of the partition of
@@ -1017,16 +1019,9 @@ impl ScriptCluster {
             .fold(0i32, |h, c| h.wrapping_mul(31).wrapping_add(i32::from(c)));
         // Kafka's `Utils.abs`: `Integer.MIN_VALUE` maps to 0.
         let hash = if hash == i32::MIN { 0 } else { hash.abs() };
-        let c: BaseConsumer = ClientConfig::new()
-            .set("bootstrap.servers", &self.bootstrap)
-            .create()
-            .expect("metadata client");
-        let md = c
-            .fetch_metadata(Some("__consumer_offsets"), Duration::from_secs(10))
-            .expect("metadata");
-        let partitions = md.topics()[0].partitions();
-        assert!(!partitions.is_empty(), "no __consumer_offsets yet");
-        self.leader("__consumer_offsets", hash % partitions.len() as i32)
+        let leaders = self.leaders("__consumer_offsets");
+        assert!(!leaders.is_empty(), "no __consumer_offsets yet");
+        leaders[hash as usize % leaders.len()]
     }
 
     /// The pid of node `i` (0-based, as `scripts/kafka.sh` counts: node id `i + 1`).

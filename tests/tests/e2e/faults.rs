@@ -128,11 +128,7 @@ impl ClusterPipeline {
 
     /// The node ids leading each partition of `topic` now.
     fn leaders(&self, topic: &str) -> Vec<i32> {
-        tokio::task::block_in_place(|| {
-            (0..PARTITIONS)
-                .map(|i| self.cluster.leader(topic, i))
-                .collect()
-        })
+        tokio::task::block_in_place(|| self.cluster.leaders(topic))
     }
 
     /// Takes node `id` down (a crash, or a controlled shutdown when `controlled`) and returns
@@ -161,14 +157,13 @@ impl ClusterPipeline {
         rate: f64,
     ) -> tokio::task::JoinHandle<()> {
         let opts = LoadgenOptions {
-            choice: SessionChoice::RoundRobin,
-            session_prefix: "session-".into(),
             rate: Some(rate),
-            ..LoadgenOptions::new(
+            ..load(
                 &self.brokers,
-                &self.topics.input,
-                sessions * per_session,
+                &self.topics,
+                "session-",
                 sessions,
+                per_session,
             )
         };
         tokio::spawn(async move {
@@ -257,12 +252,25 @@ fn stage_on(brokers: &str, topics: &Topics) -> StageConfig {
 /// Produces `per_session` numbered records for each of `sessions` sessions named
 /// `<prefix><n>`, interleaved, to the input of `topics` on `brokers`.
 async fn produce_on(brokers: &str, topics: &Topics, prefix: &str, sessions: u64, per_session: u64) {
-    let opts = LoadgenOptions {
+    loadgen::run(&load(brokers, topics, prefix, sessions, per_session))
+        .await
+        .expect("loadgen");
+}
+
+/// What [`produce_on`] produces, as the load generator's options (as fast as the broker takes
+/// them; `rate` paces them).
+fn load(
+    brokers: &str,
+    topics: &Topics,
+    prefix: &str,
+    sessions: u64,
+    per_session: u64,
+) -> LoadgenOptions {
+    LoadgenOptions {
         choice: SessionChoice::RoundRobin,
         session_prefix: prefix.into(),
         ..LoadgenOptions::new(brokers, &topics.input, sessions * per_session, sessions)
-    };
-    loadgen::run(&opts).await.expect("loadgen");
+    }
 }
 
 /// The end of every fault test: the group's committed offsets reach the input's end offsets

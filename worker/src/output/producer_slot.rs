@@ -179,14 +179,8 @@ mod tests {
                 .expect("queued")
         });
         assert!(slot.replace(0));
-        // A bound against a hang (unpurged, it would wait for `message.timeout.ms`).
-        let answer = tokio::time::timeout(Duration::from_secs(30), queued)
-            .await
-            .expect("the replaced producer's queued write is answered")
-            .expect("answered");
-        assert_eq!(
-            answer.map_err(|(e, _)| e.rdkafka_error_code()).err(),
-            Some(Some(RDKafkaErrorCode::PurgeQueue)),
+        assert!(
+            purged(queued).await,
             "a write queued in the replaced producer is purged, never sent"
         );
         let fresh = slot.with(|p, _| {
@@ -198,14 +192,20 @@ mod tests {
         // (Not `in_flight_count`, which also counts the client's events not yet served: a
         // connection error to the unreachable broker made it read 2 in a CI rehearsal.)
         slot.producer().purge(PurgeConfig::default().queue());
-        let answer = tokio::time::timeout(Duration::from_secs(30), fresh)
-            .await
-            .expect("the new producer's queued write is answered")
-            .expect("answered");
-        assert_eq!(
-            answer.map_err(|(e, _)| e.rdkafka_error_code()).err(),
-            Some(Some(RDKafkaErrorCode::PurgeQueue)),
+        assert!(
+            purged(fresh).await,
             "the new producer holds the write made after the replacement"
         );
+    }
+
+    /// Whether a queued write's answer is "purged from the queue", within a bound against a
+    /// hang (unpurged, it would wait for `message.timeout.ms`).
+    async fn purged(write: rdkafka::producer::DeliveryFuture) -> bool {
+        let answer = tokio::time::timeout(Duration::from_secs(30), write)
+            .await
+            .expect("the write is answered")
+            .expect("answered");
+        answer.map_err(|(e, _)| e.rdkafka_error_code()).err()
+            == Some(Some(RDKafkaErrorCode::PurgeQueue))
     }
 }
