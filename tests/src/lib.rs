@@ -1026,19 +1026,25 @@ impl ScriptCluster {
 
     /// The pid of node `i` (0-based, as `scripts/kafka.sh` counts: node id `i + 1`).
     pub fn node_pid(&self, i: usize) -> u32 {
-        let out = std::process::Command::new(kafka_script())
+        let out = self.node_command("pid", i);
+        let pid = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        pid.parse()
+            .unwrap_or_else(|_| panic!("no pid for node {i}: {pid:?}"))
+    }
+
+    /// `scripts/kafka.sh COMMAND --port P --node I` for this cluster's node `i`.
+    fn node_command(&self, command: &str, i: usize) -> std::process::Output {
+        std::process::Command::new(kafka_script())
             .args([
-                "pid",
+                command,
                 "--port",
                 &self.port.to_string(),
                 "--node",
                 &i.to_string(),
             ])
+            .stderr(std::process::Stdio::inherit())
             .output()
-            .expect("kafka.sh pid");
-        let pid = String::from_utf8_lossy(&out.stdout).trim().to_string();
-        pid.parse()
-            .unwrap_or_else(|_| panic!("no pid for node {i}: {pid:?}"))
+            .unwrap_or_else(|e| panic!("kafka.sh {command}: {e}"))
     }
 
     /// `kill -9` of node `i`: a crash. Returns once the process is gone.
@@ -1077,17 +1083,8 @@ impl ScriptCluster {
     /// Starts node `i` again after [`kill_node`](Self::kill_node) or
     /// [`stop_node`](Self::stop_node) (it rejoins the cluster and catches up on its own).
     pub fn restart_node(&self, i: usize) {
-        let status = std::process::Command::new(kafka_script())
-            .args([
-                "restart-node",
-                "--port",
-                &self.port.to_string(),
-                "--node",
-                &i.to_string(),
-            ])
-            .status()
-            .expect("kafka.sh restart-node");
-        assert!(status.success(), "restart of node {i}");
+        let out = self.node_command("restart-node", i);
+        assert!(out.status.success(), "restart of node {i}");
     }
 
     /// The folder with the CA, and `client.properties`, of a `--sasl-ssl` cluster.
