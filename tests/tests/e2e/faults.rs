@@ -148,23 +148,19 @@ impl ClusterPipeline {
         tokio::task::block_in_place(|| self.cluster.restart_node((id - 1) as usize));
     }
 
-    /// Produces `sessions` × `per_session` records (as [`Pipeline::produce`]) at `rate` a
-    /// second in the background, so that a fault meets records still coming.
+    /// Produces `sessions` × `per_session` records of sessions named `<prefix><n>` (as
+    /// [`Pipeline::produce`]) at `rate` a second in the background, so that a fault meets
+    /// records still coming.
     fn produce_paced(
         &self,
+        prefix: &str,
         sessions: u64,
         per_session: u64,
         rate: f64,
     ) -> tokio::task::JoinHandle<()> {
         let opts = LoadgenOptions {
             rate: Some(rate),
-            ..load(
-                &self.brokers,
-                &self.topics,
-                "session-",
-                sessions,
-                per_session,
-            )
+            ..load(&self.brokers, &self.topics, prefix, sessions, per_session)
         };
         tokio::spawn(async move {
             loadgen::run(&opts).await.expect("loadgen");
@@ -221,6 +217,7 @@ const SLOW_ACKS_PORT: u16 = 19636;
 const LEADER_DOWN_PORT: u16 = 19660;
 const COORDINATOR_DOWN_PORT: u16 = 19672;
 const COORDINATOR_MOVED_PORT: u16 = 19684;
+const COORDINATOR_MOVED_EOS_PORT: u16 = 19696;
 
 /// Kafka's error code for a librdkafka error that a broker sends.
 fn code(error: RDKafkaRespErr) -> i16 {
@@ -352,7 +349,7 @@ fn print_order_problems(handler: &RecordingHandler) {
 /// and rejoin (a rebalance, and the replays it may cause).
 async fn broker_down_for_a_few_seconds(name: &str, port: u16, coordinator_too: bool) {
     let p = ClusterPipeline::new(name, port).await;
-    let load = p.produce_paced(40, 50, 250.0);
+    let load = p.produce_paced("session-", 40, 50, 250.0);
     let handler = slow_pass_through(Duration::from_millis(30));
     let worker = sessionflow_worker::start(p.stage(), handler.clone())
         .await
@@ -867,7 +864,7 @@ async fn commits_converge_after_the_coordinator_was_unavailable() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_coordinator_moving_mid_run_loses_nothing() {
     let p = ClusterPipeline::new("coordinator-moved", COORDINATOR_MOVED_PORT).await;
-    let load = p.produce_paced(40, 50, 150.0);
+    let load = p.produce_paced("session-", 40, 50, 150.0);
     let handler = slow_pass_through(Duration::from_millis(30));
     let worker = sessionflow_worker::start(p.stage(), handler.clone())
         .await
@@ -891,6 +888,59 @@ async fn the_coordinator_moving_mid_run_loses_nothing() {
     let report = p.settle(worker).await;
     assert_eq!(report.records, 2_000 + report.duplicates, "{report}");
     print_order_problems(&handler);
+}
+
+/// The coordinator's node shut down under an `exactlyOnce` stage. The group coordinator is also
+/// where each transaction's offsets go (`TxnOffsetCommit`), and librdkafka 2.12 waits for ever
+/// in `send_offsets_to_transaction` when the coordinator it has cached has left the cluster's
+/// metadata (issues #5456 and #5511: its coordinator request has no timeout, and nothing makes
+/// it look again); the chaos suite met it after a controlled shutdown of the coordinator's
+/// node. Here: records, until every partition has committed (each producer has the
+/// coordinator cached); the coordinator's node shut down while the producers idle; 12 s later
+/// (the node long gone from the metadata) more records, the node started again 4 s into them.
+/// Every partition's offsets call then hangs (4 of 4 in each run so far) until its 35 s
+/// deadline; the producer must be replaced (the next one with its transactional id fences it
+/// and aborts what it held) and the partition rewound, with the worker running on: no fatal
+/// error, every record once in the read_committed output, the group committed to the end.
+/// Until 8 Dec the worker stopped there (and does with the replacement left out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_coordinator_moving_under_an_exactly_once_stage_stops_nothing() {
+    sessionflow_tests::init_telemetry();
+    let p = ClusterPipeline::new("coordinator-moved-eos", COORDINATOR_MOVED_EOS_PORT).await;
+    let handler = slow_pass_through(Duration::from_millis(5));
+    let mut stage = p.stage();
+    stage.settings.delivery = Some(sessionflow_worker::config::Delivery::ExactlyOnce);
+    let worker = sessionflow_worker::start(stage, handler.clone())
+        .await
+        .unwrap();
+    // Every partition's producer commits once, and finds the coordinator.
+    p.produce_paced("before-", 40, 25, 500.0).await.unwrap();
+    wait_committed_to_end_on(&p.brokers, &p.topics, CONVERGE)
+        .await
+        .expect("the first records committed");
+    // The coordinator's node leaves while the producers idle: each still has it cached when
+    // the next records come.
+    let from = p.coordinator();
+    p.take_down(from, true);
+    let to = p.coordinator();
+    assert_ne!(
+        from, to,
+        "the coordinator did not move off a node that shut down"
+    );
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let load = p.produce_paced("after-", 40, 25, 150.0);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    p.bring_back(from);
+    eprintln!(
+        "the coordinator moved from node {from} to node {to}; {} outputs",
+        worker.metrics.records_out.get()
+    );
+    load.await.unwrap();
+    let fatal = worker.metrics.fatal_errors.clone();
+    let report = p.settle(worker).await;
+    assert_eq!(fatal.get(), 0, "the worker stopped on a fatal error");
+    assert_eq!(report.duplicates, 0, "{report}");
+    assert_eq!(report.records, 2_000, "{report}");
 }
 
 // ---- slow acks ------------------------------------------------------------------------------

@@ -32,7 +32,7 @@
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
+use rdkafka::error::KafkaResult;
 use rdkafka::{Offset as KafkaOffset, TopicPartitionList};
 use std::sync::Arc;
 
@@ -58,13 +58,6 @@ const COMMITTED_MAX_PAUSE: Duration = Duration::from_secs(4);
 /// How long a commit or a rewind waits for the write barrier: every write holding a share is
 /// acknowledged, refused or timed out within `message.timeout.ms`; the rest is slack.
 const BARRIER_DEADLINE: Duration = Duration::from_millis(EXACTLY_ONCE_MESSAGE_TIMEOUT_MS + 15_000);
-
-/// Whether a transaction call's error leaves the client unable to go on, not fenced: a call
-/// that did not return in time (`ERR__FATAL` from `output::transactions::within`). The worker
-/// stops; a fence ([`is_fence`]) gives up only its partition.
-fn is_fatal(error: &KafkaError) -> bool {
-    error.rdkafka_error_code() == Some(RDKafkaErrorCode::Fatal)
-}
 
 /// Whether `doom` is of a transaction of `p` aborted already: its record's lease is older than
 /// the partition's (it was rewound since).
@@ -143,7 +136,6 @@ impl IntakeContext {
             return failed;
         }
         // All at once (each partition has its own producer), still under the barrier.
-        let mut stopping = false;
         let (turn, partitions) = (Instant::now(), due.len());
         let answers = transactions.commit_each(due, &group);
         if partitions > 0 {
@@ -190,21 +182,7 @@ impl IntakeContext {
                         self.give_up(book, transactions, p, &e);
                     }
                 }
-                Err(e) if is_fatal(&e) => {
-                    self.count_abort(AbortReason::Commit);
-                    if !stopping {
-                        self.stop_fatally(
-                            p,
-                            &format!(
-                                "exactlyOnce: the partition's transaction call did not return in \
-                                 time ({e}); the worker stops (the restart replays from the last \
-                                 committed transaction)"
-                            ),
-                        );
-                    }
-                    stopping = true;
-                }
-                Err(e) if force || stopping => {
+                Err(e) if force => {
                     self.count_abort(AbortReason::Commit);
                     tracing::warn!(partition = p, error = %e,
                         "transaction did not commit: aborted at its producer's close; the next \
@@ -223,17 +201,7 @@ impl IntakeContext {
                 }
             }
         }
-        if stopping {
-            // Another partition's call stopped the worker: the close aborts these.
-            for (p, doom) in refused {
-                self.count_abort(doom.reason);
-                tracing::warn!(
-                    partition = p,
-                    "transaction did not commit: aborted at its producer's close; the next \
-                     owner replays from the last commit"
-                );
-            }
-        } else if !refused.is_empty() {
+        if !refused.is_empty() {
             self.rewind_transactions(consumer, book, transactions, refused);
         }
         failed

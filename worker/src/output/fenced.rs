@@ -56,8 +56,8 @@ impl Fenced {
 
 /// Whether an error says the producer was fenced (another producer has its
 /// transactional id) or failed fatally in its transactional state: no abort can help, the
-/// client is done. Not the plain `ERR__FATAL` of a call this worker gave up waiting for
-/// (`output::transactions::within`): that one stops the worker.
+/// client is done. Not a call this worker gave up waiting for (`OperationTimedOut` from
+/// `Transactions::commit`): that one is aborted by a new producer, and its partition rewound.
 pub fn is_fence(error: &KafkaError) -> bool {
     if let KafkaError::Transaction(e) = error {
         if e.is_fatal() {
@@ -145,7 +145,8 @@ mod tests {
         assert!(is_fence(&code(RDKafkaErrorCode::ProducerFenced)));
         assert!(is_fence(&code(RDKafkaErrorCode::InvalidProducerEpoch)));
         assert!(is_fence(&code(RDKafkaErrorCode::Fenced)));
-        // `within`'s answer for a call that did not return: the worker stops.
+        // A commit's answer for an offsets call that did not return: rewound, not given up.
+        assert!(!is_fence(&code(RDKafkaErrorCode::OperationTimedOut)));
         assert!(!is_fence(&code(RDKafkaErrorCode::Fatal)));
         assert!(!is_fence(&code(RDKafkaErrorCode::State)));
     }

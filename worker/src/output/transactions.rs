@@ -31,6 +31,11 @@
 //! A producer fenced by another one with its transactional id is done for good: its fatal error
 //! is noted per partition (`output::fenced`), and the loop gives that partition up
 //! ([`Transactions::give_up`]) instead of aborting, until it reopens it.
+//!
+//! A producer whose `send_offsets_to_transaction` did not return in time is not used again
+//! either (librdkafka can wait there for ever when the group coordinator it has cached leaves
+//! the cluster: [`send_offsets`]); its partition's transaction fails like one refused, and its
+//! abort opens a new producer as above, whose init fences the stuck one.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -159,9 +164,10 @@ pub struct Transactions<C: ClientContext + Clone + 'static> {
     strikes: Mutex<HashMap<Partition, (Offset, u32)>>,
     /// Records whose next write is a dead letter.
     poisoned: Mutex<HashSet<(Partition, Offset)>>,
-    /// Partitions whose producer had writes purged in flight since its transaction began: its
-    /// abort opens a new producer (see the module's documentation).
-    purged_in_flight: Mutex<HashSet<Partition>>,
+    /// Partitions whose producer must not take the next transaction: it had writes purged in
+    /// flight since its transaction began, or a call of it did not return in time (a thread
+    /// still waits in it). Their abort opens a new producer (see the module's documentation).
+    replace_on_abort: Mutex<HashSet<Partition>>,
 }
 
 fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -184,7 +190,7 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
             epochs: Mutex::default(),
             strikes: Mutex::default(),
             poisoned: Mutex::default(),
-            purged_in_flight: Mutex::default(),
+            replace_on_abort: Mutex::default(),
         }
     }
 
@@ -364,7 +370,7 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
     }
 
     fn forget(&self, partition: Partition) {
-        locked(&self.purged_in_flight).remove(&partition);
+        locked(&self.replace_on_abort).remove(&partition);
         locked(&self.doomed).remove(&partition);
         locked(&self.epochs).remove(&partition);
         locked(&self.strikes).remove(&partition);
@@ -418,7 +424,7 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
         for p in doomed {
             if let Some(producer) = producers.get(&p) {
                 if producer.in_flight_count() > 0 {
-                    locked(&self.purged_in_flight).insert(p);
+                    locked(&self.replace_on_abort).insert(p);
                     purge_all(producer);
                 }
             }
@@ -427,6 +433,10 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
 
     /// Commits `partition`'s transaction with `offsets` (its watermark and map) and begins the
     /// next. Call under [`Transactions::exclusive`]. Blocking.
+    ///
+    /// If the offsets' call does not return in time, the answer is `OperationTimedOut` and the
+    /// producer is left to the thread still waiting in it: the partition's abort opens a new
+    /// one (see the module's documentation).
     pub fn commit(
         &self,
         partition: Partition,
@@ -436,7 +446,20 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
         let Some(producer) = self.producer(partition) else {
             return Err(KafkaError::MessageProduction(RDKafkaErrorCode::State));
         };
-        send_offsets(&producer, offsets, group)?;
+        let Some(sent) = send_offsets(&producer, offsets, group) else {
+            locked(&self.replace_on_abort).insert(partition);
+            tracing::warn!(
+                partition,
+                "exactlyOnce: the transaction's offsets call did not return in time \
+                 (librdkafka's coordinator request without a timeout, issues #5456/#5511): the \
+                 transaction is aborted by a new producer for the partition, which replays from \
+                 its last commit"
+            );
+            return Err(KafkaError::MessageProduction(
+                RDKafkaErrorCode::OperationTimedOut,
+            ));
+        };
+        sent?;
         producer.commit_transaction(CALL_TIMEOUT)?;
         producer.begin_transaction()
     }
@@ -485,7 +508,7 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
         let Some(producer) = self.producer(partition) else {
             return Err(KafkaError::MessageProduction(RDKafkaErrorCode::State));
         };
-        if !locked(&self.purged_in_flight).remove(&partition) {
+        if !locked(&self.replace_on_abort).remove(&partition) {
             producer.abort_transaction(CALL_TIMEOUT)?;
             return producer.begin_transaction();
         }
@@ -495,8 +518,9 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
         drop((producer, removed));
         tracing::info!(
             partition,
-            "writes of the aborted transaction were purged in flight: a new producer with a \
-             new epoch takes over, so that none of them can land in the next transaction"
+            "the aborted transaction's producer is not used again (writes of it purged in \
+             flight, or a call of it that did not return): a new producer with a new epoch takes \
+             over, so that nothing of the old one can land in the next transaction"
         );
         let started = Instant::now();
         self.open(partition)?;
@@ -539,7 +563,7 @@ impl<C: ClientContext + Clone + 'static> Transactions<C> {
                 purge_all(producer);
             }
         }
-        locked(&self.purged_in_flight).extend(gave_up.iter().copied());
+        locked(&self.replace_on_abort).extend(gave_up.iter().copied());
         for p in gave_up {
             let doom = Doom {
                 reason: AbortReason::Fence,
@@ -608,47 +632,40 @@ fn concurrently<T: Send, R: Send>(items: Vec<T>, call: impl Fn(T) -> R + Sync) -
     })
 }
 
-/// `send_offsets_to_transaction`, waited for at most [`CALL_TIMEOUT`] + 5 s.
+/// `send_offsets_to_transaction`, waited for at most [`CALL_TIMEOUT`] + 5 s; `None` when it
+/// did not return by then.
 ///
 /// librdkafka can block in it past its own timeout when the group coordinator moves or goes
-/// away: its coordinator request never times out (librdkafka issues #5456 and #5511, open in
-/// 2026; seen here in chaos runs as a consumer loop stuck in a revocation's commit, ignoring
-/// SIGTERM). So it runs on a thread of its own; past the deadline that thread keeps the
-/// producer (it is never used again) and the call fails as fatal: the worker stops and its
-/// restart replays from the last committed transaction.
+/// away: its coordinator request never times out, and a coordinator it has cached that left
+/// the cluster's metadata is never looked for again (librdkafka issues #5456 and #5511, open in
+/// 2026; seen here in chaos runs, and in `faults::the_coordinator_moving_under_an_exactly_once_stage_stops_nothing`
+/// after a controlled shutdown of the coordinator's node). So it runs on a thread of its own;
+/// past the deadline that thread keeps the producer, which is never used again.
 fn send_offsets<C: ClientContext + Clone + 'static>(
     producer: &FutureProducer<C>,
     offsets: &TopicPartitionList,
     group: &Arc<ConsumerGroupMetadata>,
-) -> KafkaResult<()> {
+) -> Option<KafkaResult<()>> {
     let (producer, offsets, group) = (producer.clone(), offsets.clone(), group.clone());
     within(CALL_TIMEOUT + Duration::from_secs(5), move || {
         producer.send_offsets_to_transaction(&offsets, &group, CALL_TIMEOUT)
     })
 }
 
-/// `call` on a thread of its own, waited for at most `deadline`; past it the thread is left to
-/// finish (or not) on its own, and the answer is a fatal error.
+/// `call`'s answer, from a thread of its own, waited for at most `deadline`; `None` past it
+/// (the thread is left to finish, or not, on its own) or when no thread could be started.
 fn within<T: Send + 'static>(
     deadline: Duration,
-    call: impl FnOnce() -> KafkaResult<T> + Send + 'static,
-) -> KafkaResult<T> {
-    let fatal = KafkaError::MessageProduction(RDKafkaErrorCode::Fatal);
+    call: impl FnOnce() -> T + Send + 'static,
+) -> Option<T> {
     let (answered, answer) = sync_channel(1);
     std::thread::Builder::new()
         .name("txn-call".into())
         .spawn(move || {
             let _ = answered.send(call());
         })
-        .map_err(|_| fatal.clone())?;
-    answer.recv_timeout(deadline).unwrap_or_else(|_| {
-        tracing::error!(
-            ?deadline,
-            "a transaction call did not return (librdkafka's coordinator request without a \
-             timeout, issues #5456/#5511); its producer is given up"
-        );
-        Err(fatal)
-    })
+        .ok()?;
+    answer.recv_timeout(deadline).ok()
 }
 
 #[cfg(test)]
