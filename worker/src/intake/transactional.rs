@@ -45,6 +45,7 @@ use crate::output::fenced::is_fence;
 use crate::output::producer::ProducerEvents;
 use crate::output::transactions::{AbortReason, Doom, Exclusive, Strike, Transactions};
 use crate::record::Lease;
+use crate::session::retry::RetryPolicy;
 
 /// How long one read of the group's committed offset of a partition may take.
 const COMMITTED_TIMEOUT: Duration = Duration::from_secs(10);
@@ -52,12 +53,23 @@ const COMMITTED_TIMEOUT: Duration = Duration::from_secs(10);
 /// restart (seen lasting ~10–20 s in the chaos suite), well within the default
 /// `max.poll.interval.ms` (300 s) the blocked consumer loop counts against.
 const COMMITTED_BUDGET: Duration = Duration::from_secs(45);
-/// The pause after a failed read, doubled after each one up to `COMMITTED_MAX_PAUSE`.
-const COMMITTED_FIRST_PAUSE: Duration = Duration::from_millis(500);
-const COMMITTED_MAX_PAUSE: Duration = Duration::from_secs(4);
+/// The pause after a failed read: 0.5 s, doubled after each failure in a row, at most 4 s.
+const COMMITTED_PAUSES: RetryPolicy = RetryPolicy {
+    initial: Duration::from_millis(500),
+    max: Duration::from_secs(4),
+    multiplier: 2.0,
+    max_attempts: 0,
+};
 /// How long a commit or a rewind waits for the write barrier: every write holding a share is
 /// acknowledged, refused or timed out within `message.timeout.ms`; the rest is slack.
 const BARRIER_DEADLINE: Duration = Duration::from_millis(EXACTLY_ONCE_MESSAGE_TIMEOUT_MS + 15_000);
+
+/// The pause before the read after `failures` failed ones in a row, or `None` when that read
+/// would start at or past `deadline` (`left` is what remains of the budget now).
+fn pause_before_asking_again(failures: u32, left: Duration) -> Option<Duration> {
+    let pause = COMMITTED_PAUSES.ceiling(failures);
+    (pause < left).then_some(pause)
+}
 
 /// Whether `doom` is of a transaction of `p` aborted already: its record's lease is older than
 /// the partition's (it was rewound since).
@@ -405,7 +417,7 @@ impl IntakeContext {
         p: Partition,
     ) -> KafkaResult<TopicPartitionList> {
         let deadline = Instant::now() + COMMITTED_BUDGET;
-        let mut pause = COMMITTED_FIRST_PAUSE;
+        let mut failures = 0;
         loop {
             let mut tpl = TopicPartitionList::new();
             tpl.add_partition(&self.settings.input, p);
@@ -420,13 +432,15 @@ impl IntakeContext {
                 Ok(c) => return Ok(c),
                 Err(e) => e,
             };
-            if Instant::now() + pause >= deadline || self.fatal.is_cancelled() {
-                return Err(error);
-            }
+            failures += 1;
+            let left = deadline.saturating_duration_since(Instant::now());
+            let pause = match pause_before_asking_again(failures, left) {
+                Some(pause) if !self.fatal.is_cancelled() => pause,
+                _ => return Err(error),
+            };
             tracing::warn!(partition = p, error = %error, retry_in_ms = pause.as_millis() as u64,
                 "exactlyOnce: the committed offset to rewind to could not be read; asking again");
             std::thread::sleep(pause);
-            pause = (pause * 2).min(COMMITTED_MAX_PAUSE);
         }
     }
 
@@ -638,5 +652,62 @@ impl IntakeContext {
         if let Some(transactions) = self.producer.transactions() {
             transactions.close_each(partitions.to_vec());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The reads a rewind makes before it gives up, each taking `read` to fail: the pauses
+    /// between them, simulated on a clock of the test's own.
+    fn pauses_until_given_up(read: Duration) -> Vec<Duration> {
+        let (mut spent, mut failures, mut pauses) = (Duration::ZERO, 0, Vec::new());
+        loop {
+            spent += read.min(COMMITTED_BUDGET.saturating_sub(spent));
+            failures += 1;
+            match pause_before_asking_again(failures, COMMITTED_BUDGET.saturating_sub(spent)) {
+                Some(pause) => {
+                    pauses.push(pause);
+                    spent += pause;
+                }
+                None => return pauses,
+            }
+        }
+    }
+
+    #[test]
+    fn a_rewind_asks_again_with_doubling_pauses_within_its_budget() {
+        let ms = |v: &[u64]| {
+            v.iter()
+                .map(|&m| Duration::from_millis(m))
+                .collect::<Vec<_>>()
+        };
+        // Refused at once (NOT_COORDINATOR): 0.5 s doubling to 4 s, until 45 s are spent.
+        let quick = pauses_until_given_up(Duration::from_millis(5));
+        assert_eq!(quick[..6], ms(&[500, 1_000, 2_000, 4_000, 4_000, 4_000]));
+        // 13 pauses (43.5 s) between 14 reads; a fourteenth pause would end past the budget.
+        assert_eq!(quick.len(), 13, "{quick:?}");
+        assert_eq!(
+            quick.iter().sum::<Duration>(),
+            Duration::from_millis(43_500)
+        );
+        // Each read timing out (a coordinator that does not answer, 10 s each): four reads.
+        let slow = pauses_until_given_up(COMMITTED_TIMEOUT);
+        assert_eq!(slow, ms(&[500, 1_000, 2_000]));
+    }
+
+    #[test]
+    fn no_read_starts_at_or_past_the_deadline() {
+        assert_eq!(
+            pause_before_asking_again(1, Duration::from_millis(500)),
+            None
+        );
+        assert_eq!(
+            pause_before_asking_again(1, Duration::from_millis(501)),
+            Some(Duration::from_millis(500))
+        );
+        assert_eq!(pause_before_asking_again(9, Duration::from_secs(4)), None);
+        assert_eq!(pause_before_asking_again(9, Duration::ZERO), None);
     }
 }
