@@ -45,6 +45,16 @@ impl SeqRecord {
     }
 }
 
+/// Whether a consumer's error is a connection that librdkafka gets back by itself (a broker
+/// restarting or moving its leaderships): the read goes on, within its deadline.
+fn is_transient(error: &rdkafka::error::KafkaError) -> bool {
+    use rdkafka::types::RDKafkaErrorCode as Code;
+    matches!(
+        error.rdkafka_error_code(),
+        Some(Code::BrokerTransportFailure | Code::AllBrokersDown)
+    )
+}
+
 /// Reads every record of `topic` up to the high watermarks seen at the start, in offset order
 /// per partition (partitions in ascending order).
 pub fn read_topic(
@@ -103,6 +113,8 @@ pub fn read_topic(
                 remaining.remove(&p);
                 continue;
             }
+            // librdkafka reconnects by itself; the deadline bounds how long it may take.
+            Err(e) if is_transient(&e) => continue,
             polled => polled?,
         };
         let Some(high) = remaining.get(&m.partition()).copied() else {
@@ -413,6 +425,24 @@ pub fn run(opts: &VerifyOptions) -> anyhow::Result<VerifyReport> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_read_goes_on_through_a_broker_restarting_and_stops_on_anything_else() {
+        use rdkafka::error::KafkaError;
+        use rdkafka::types::RDKafkaErrorCode as Code;
+        assert!(is_transient(&KafkaError::MessageConsumption(
+            Code::BrokerTransportFailure
+        )));
+        assert!(is_transient(&KafkaError::MessageConsumption(
+            Code::AllBrokersDown
+        )));
+        assert!(!is_transient(&KafkaError::MessageConsumption(
+            Code::TopicAuthorizationFailed
+        )));
+        assert!(!is_transient(&KafkaError::MessageConsumption(
+            Code::UnknownTopicOrPartition
+        )));
+    }
 
     fn record(partition: i32, offset: i64, seq: u64, timestamp_ms: i64) -> SeqRecord {
         SeqRecord {

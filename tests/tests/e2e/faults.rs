@@ -144,6 +144,19 @@ impl ClusterPipeline {
         });
     }
 
+    /// Shuts the group coordinator's node down (controlled: its leaderships move first) and
+    /// returns the nodes the coordinator moved from and to; fails if it did not move.
+    fn move_coordinator(&self) -> (i32, i32) {
+        let from = self.coordinator();
+        self.take_down(from, true);
+        let to = self.coordinator();
+        assert_ne!(
+            from, to,
+            "the coordinator did not move off a node that shut down"
+        );
+        (from, to)
+    }
+
     fn bring_back(&self, id: i32) {
         tokio::task::block_in_place(|| self.cluster.restart_node((id - 1) as usize));
     }
@@ -864,29 +877,30 @@ async fn commits_converge_after_the_coordinator_was_unavailable() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_coordinator_moving_mid_run_loses_nothing() {
     let p = ClusterPipeline::new("coordinator-moved", COORDINATOR_MOVED_PORT).await;
-    let load = p.produce_paced("session-", 40, 50, 150.0);
+    // 40 s of records: a move (a controlled shutdown, then the node's start) takes ~10–20 s
+    // here, and each must begin while records still come.
+    let load = p.produce_paced("session-", 40, 100, 100.0);
     let handler = slow_pass_through(Duration::from_millis(30));
     let worker = sessionflow_worker::start(p.stage(), handler.clone())
         .await
         .unwrap();
-    for outputs in [300, 1_000] {
+    for outputs in [300, 2_000] {
         wait_for_outputs(&worker, outputs).await;
-        let from = p.coordinator();
-        p.take_down(from, true);
-        let to = p.coordinator();
-        assert_ne!(
-            from, to,
-            "the coordinator did not move off a node that shut down"
+        let at = worker.metrics.records_out.get();
+        assert!(
+            !load.is_finished(),
+            "the records were all in before the move at {at} outputs"
         );
+        let (from, to) = p.move_coordinator();
         p.bring_back(from);
         eprintln!(
-            "the coordinator moved from node {from} to node {to} at {} outputs",
+            "the coordinator moved from node {from} to node {to} at {at} outputs (node back at {})",
             worker.metrics.records_out.get()
         );
     }
     load.await.unwrap();
     let report = p.settle(worker).await;
-    assert_eq!(report.records, 2_000 + report.duplicates, "{report}");
+    assert_eq!(report.records, 4_000 + report.duplicates, "{report}");
     print_order_problems(&handler);
 }
 
@@ -920,13 +934,7 @@ async fn the_coordinator_moving_under_an_exactly_once_stage_stops_nothing() {
         .expect("the first records committed");
     // The coordinator's node leaves while the producers idle: each still has it cached when
     // the next records come.
-    let from = p.coordinator();
-    p.take_down(from, true);
-    let to = p.coordinator();
-    assert_ne!(
-        from, to,
-        "the coordinator did not move off a node that shut down"
-    );
+    let (from, to) = p.move_coordinator();
     tokio::time::sleep(Duration::from_secs(12)).await;
     let load = p.produce_paced("after-", 40, 25, 150.0);
     tokio::time::sleep(Duration::from_secs(4)).await;
